@@ -1,0 +1,364 @@
+"""The compute side of a peer: one thread that owns the stage's module, batches concurrent requests,
+accumulates gradients and applies optimizer steps.
+
+All access to parameters, gradient accumulators and the optimizer happens on this one thread, so a
+step never races a backward. The gRPC side submits work and awaits the returned futures.
+
+Gradient convention: the objective of a microbatch is the SUM over its samples of the per-sample loss.
+Accumulators hold that sum's gradient; an update divides by the number of samples it covers, which
+makes any split into microbatches, peers and batches compute the same mean gradient.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from swarm.config import OptimConfig
+from swarm.models import BuiltStage
+from swarm.optim import apply_update, build_optimizer
+
+logger = logging.getLogger(__name__)
+
+FORWARD, BACKWARD, EVAL, CALL = "forward", "backward", "eval", "call"
+
+
+class NonFiniteError(ValueError):
+    """The stage produced NaN or infinity for this request; nothing was accumulated."""
+
+
+@dataclass
+class Task:
+    kind: str
+    inputs: torch.Tensor | None = None
+    targets: torch.Tensor | None = None
+    grad_output: torch.Tensor | None = None
+    request_id: str = ""
+    fn: Callable[[], Any] | None = None
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    enqueued: float = field(default_factory=time.perf_counter)
+
+    @property
+    def size(self) -> int:
+        return 0 if self.inputs is None else int(self.inputs.shape[0])
+
+    def batch_key(self) -> tuple:
+        x = self.inputs
+        t = self.targets
+        return (self.kind, x.dtype, tuple(x.shape[1:]), None if t is None else tuple(t.shape[1:]))
+
+
+@dataclass
+class ForwardResult:
+    output: torch.Tensor | None  # None on the last stage
+    loss: torch.Tensor | None  # per-sample losses on the last stage
+    compute_s: float
+
+
+@dataclass
+class BackwardResult:
+    grad_input: torch.Tensor | None
+    loss: torch.Tensor | None
+    accumulated_step: int
+    duplicate: bool
+    compute_s: float
+
+
+@dataclass
+class Accumulated:
+    """A frozen gradient accumulator: the gradient of the summed loss over `samples` samples."""
+
+    grads: list[torch.Tensor]
+    samples: int
+    step: int
+
+
+class StageExecutor:
+    def __init__(
+        self,
+        built: BuiltStage,
+        optim: OptimConfig,
+        device: torch.device | str = "cpu",
+        max_batch_samples: int = 256,
+    ) -> None:
+        self.built = built
+        self.device = torch.device(device)
+        self.module = built.module.to(self.device)
+        self.optim_cfg = optim
+        self.optimizer = build_optimizer(self.module, optim)
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.max_batch_samples = max_batch_samples
+        self.is_last = built.schema.is_last
+        self.inputs_are_float = built.schema.input.dtype.is_floating_point
+
+        self.step = 0  # updates applied
+        self.accumulating_step = 0  # the update that newly accumulated gradients will go into
+        self._acc: list[torch.Tensor] | None = None
+        self.samples_accumulated = 0
+        self._acc_ids: set[str] = set()
+        self._recent_ids: collections.deque[set[str]] = collections.deque(maxlen=2)
+
+        self.samples_processed = 0
+        self.compute_seconds = 0.0
+        self.throughput_ema: float | None = None  # samples/s of forward+backward work, measured
+
+        self._queue: collections.deque[Task] = collections.deque()
+        self._cv = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name=f"stage{built.stage}-compute", daemon=True)
+        self._thread.start()
+
+    # ---- submission (any thread) ----
+
+    @property
+    def queue_length(self) -> int:
+        return len(self._queue)
+
+    def submit(self, task: Task) -> concurrent.futures.Future:
+        with self._cv:
+            if self._stopped:
+                raise RuntimeError("stage executor is stopped")
+            self._queue.append(task)
+            self._cv.notify()
+        return task.future
+
+    def forward(
+        self, inputs: torch.Tensor, targets: torch.Tensor | None = None, validation: bool = False
+    ) -> concurrent.futures.Future:
+        return self.submit(Task(EVAL if validation else FORWARD, inputs, targets))
+
+    def backward(
+        self, inputs: torch.Tensor, grad_output: torch.Tensor | None, targets: torch.Tensor | None, request_id: str
+    ) -> concurrent.futures.Future:
+        return self.submit(Task(BACKWARD, inputs, targets, grad_output, request_id))
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run `fn` on the compute thread, between batches: safe access to parameters and state."""
+        return self.submit(Task(CALL, fn=fn))
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopped = True
+            pending = list(self._queue)
+            self._queue.clear()
+            self._cv.notify_all()
+        for task in pending:
+            if not task.future.done():
+                task.future.set_exception(RuntimeError("peer is shutting down"))
+        self._thread.join(timeout=10)
+
+    # ---- compute thread ----
+
+    def _next_batch(self) -> list[Task] | None:
+        with self._cv:
+            while not self._queue and not self._stopped:
+                self._cv.wait()
+            if self._stopped:
+                return None
+            first = self._queue.popleft()
+            if first.kind == CALL or (first.kind == BACKWARD and self._is_duplicate(first.request_id)):
+                return [first]
+            batch, total, key = [first], first.size, first.batch_key()
+            keep: list[Task] = []
+            while self._queue and total < self.max_batch_samples:
+                task = self._queue.popleft()
+                if (
+                    task.kind != CALL
+                    and task.batch_key() == key
+                    and total + task.size <= self.max_batch_samples
+                    and not (task.kind == BACKWARD and self._is_duplicate(task.request_id))
+                ):
+                    batch.append(task)
+                    total += task.size
+                else:
+                    keep.append(task)
+            self._queue.extendleft(reversed(keep))
+            return batch
+
+    def _is_duplicate(self, request_id: str) -> bool:
+        return bool(request_id) and (request_id in self._acc_ids or any(request_id in s for s in self._recent_ids))
+
+    def _loop(self) -> None:
+        while True:
+            batch = self._next_batch()
+            if batch is None:
+                return
+            live = [t for t in batch if t.future.set_running_or_notify_cancel()]
+            if not live:
+                continue
+            try:
+                kind = live[0].kind
+                if kind == CALL:
+                    live[0].future.set_result(live[0].fn())
+                elif kind == BACKWARD:
+                    self._run_backward(live)
+                else:
+                    self._run_forward(live, train=kind == FORWARD)
+            except BaseException as e:  # noqa: BLE001 - every error goes back to its requester
+                if not isinstance(e, (ValueError, RuntimeError, IndexError, TypeError, NonFiniteError)):
+                    logger.exception("unexpected error in the compute thread")
+                for task in live:
+                    if not task.future.done():
+                        task.future.set_exception(e)
+
+    def _cat(self, tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
+        if tensors[0] is None:
+            return None
+        t = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+        return t.to(self.device, non_blocking=True)
+
+    def _call_module(self, x: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
+        out = self.module(x, targets) if self.is_last else self.module(x)
+        if self.is_last and out.dim() == 0:
+            # A custom last stage returning the batch's mean loss: n * mean is the same summed
+            # objective; each sample reports the batch mean.
+            out = out.expand(x.shape[0])
+        return out
+
+    def _record(self, samples: int, seconds: float) -> None:
+        self.samples_processed += samples
+        self.compute_seconds += seconds
+        if seconds > 0:
+            rate = samples / seconds
+            self.throughput_ema = rate if self.throughput_ema is None else 0.9 * self.throughput_ema + 0.1 * rate
+
+    def _run_forward(self, tasks: list[Task], train: bool) -> None:
+        start = time.perf_counter()
+        x = self._cat([t.inputs for t in tasks])
+        targets = self._cat([t.targets for t in tasks]) if self.is_last else None
+        self.module.train(train)
+        with torch.no_grad():
+            out = self._call_module(x, targets)
+        if not torch.isfinite(out).all():
+            raise NonFiniteError(f"stage {self.built.stage} produced NaN or infinity in its forward pass")
+        out = out.detach().cpu()
+        elapsed = time.perf_counter() - start
+        offset = 0
+        for task in tasks:
+            part = out[offset : offset + task.size]
+            offset += task.size
+            share = elapsed * task.size / max(1, x.shape[0])
+            if self.is_last:
+                task.future.set_result(ForwardResult(None, part, share))
+            else:
+                task.future.set_result(ForwardResult(part, None, share))
+
+    def _run_backward(self, tasks: list[Task]) -> None:
+        start = time.perf_counter()
+        duplicate = len(tasks) == 1 and self._is_duplicate(tasks[0].request_id)
+        x = self._cat([t.inputs for t in tasks])
+        targets = self._cat([t.targets for t in tasks]) if self.is_last else None
+        grad_out = None if self.is_last else self._cat([t.grad_output for t in tasks])
+        if self.inputs_are_float:
+            x = x.detach().requires_grad_(True)
+        self.module.train(True)
+        with torch.enable_grad():
+            out = self._call_module(x, targets)
+            if self.is_last:
+                objective, grad_seed = out.sum(), None
+                losses = out.detach()
+                if not torch.isfinite(losses).all():
+                    raise NonFiniteError(f"stage {self.built.stage} produced a NaN or infinite loss")
+            else:
+                objective, grad_seed, losses = out, grad_out, None
+            wrt = ([] if duplicate else self.params) + ([x] if self.inputs_are_float else [])
+            grads = torch.autograd.grad(objective, wrt, grad_outputs=grad_seed, allow_unused=True) if wrt else []
+        param_grads = [] if duplicate else list(grads[: len(self.params)])
+        grad_input = grads[-1] if self.inputs_are_float else None
+        for g in param_grads:
+            if g is not None and not torch.isfinite(g).all():
+                raise NonFiniteError(f"stage {self.built.stage} computed a NaN or infinite gradient; not accumulated")
+        if grad_input is not None and not torch.isfinite(grad_input).all():
+            raise NonFiniteError(f"stage {self.built.stage} computed a NaN or infinite input gradient")
+        if not duplicate:
+            if self._acc is None:
+                self._acc = [torch.zeros_like(p) for p in self.params]
+            for acc, g in zip(self._acc, param_grads, strict=True):
+                if g is not None:
+                    acc.add_(g)
+            self.samples_accumulated += x.shape[0]
+            self._acc_ids.update(t.request_id for t in tasks if t.request_id)
+        grad_input = None if grad_input is None else grad_input.detach().cpu()
+        losses = None if losses is None else losses.cpu()
+        elapsed = time.perf_counter() - start
+        self._record(x.shape[0], elapsed)
+        offset = 0
+        for task in tasks:
+            sl = slice(offset, offset + task.size)
+            offset += task.size
+            task.future.set_result(
+                BackwardResult(
+                    None if grad_input is None else grad_input[sl],
+                    None if losses is None else losses[sl],
+                    self.accumulating_step,
+                    duplicate,
+                    elapsed * task.size / max(1, x.shape[0]),
+                )
+            )
+
+    # ---- steps (call these through `call`, or from the compute thread) ----
+
+    def take_accumulated(self) -> Accumulated:
+        """Freeze the accumulator for `accumulating_step`; new gradients go into the next update."""
+        grads = self._acc if self._acc is not None else [torch.zeros_like(p) for p in self.params]
+        frozen = Accumulated(grads, self.samples_accumulated, self.accumulating_step)
+        self._acc = None
+        self.samples_accumulated = 0
+        self._recent_ids.append(self._acc_ids)
+        self._acc_ids = set()
+        self.accumulating_step += 1
+        return frozen
+
+    def apply_mean_gradient(self, mean_grads: list[torch.Tensor], step: int) -> float:
+        """Apply the update for `step` from the mean gradient (already averaged across the stage)."""
+        if step != self.step:
+            raise RuntimeError(f"update for step {step} applied at step {self.step}")
+        for p, g in zip(self.params, mean_grads, strict=True):
+            p.grad = g.to(p.device)
+        norm = apply_update(self.optimizer, self.optim_cfg, step)
+        for p in self.params:
+            p.grad = None
+        self.step = step + 1
+        self.accumulating_step = max(self.accumulating_step, self.step)
+        return norm
+
+    def local_step(self) -> tuple[int, float]:
+        """Freeze and apply an update from this peer's own gradients (no averaging)."""
+        frozen = self.take_accumulated()
+        mean = [g / max(1, frozen.samples) for g in frozen.grads]
+        return frozen.samples, self.apply_mean_gradient(mean, frozen.step)
+
+    def state_dict(self) -> dict:
+        """Parameters, optimizer state and step: what a joining peer downloads (compute thread only)."""
+        return {
+            "step": self.step,
+            "model": {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()},
+            "optimizer": _clone_tensors(self.optimizer.state_dict()),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = int(state["step"])
+        self.accumulating_step = self.step
+        self._acc = None
+        self.samples_accumulated = 0
+        self._acc_ids = set()
+
+
+def _clone_tensors(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: _clone_tensors(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clone_tensors(v) for v in obj]
+    return obj

@@ -1,0 +1,296 @@
+"""`swarm local`: a whole swarm on this machine, every role its own OS process on loopback.
+
+Starts a coordinator, then the peers (S x P, or a per-stage layout), then the trainers; shows
+progress; prints an aggregate summary; stops everything it started (process groups, so hivemind's
+p2pd daemons too) at the end, on Ctrl-C, or on error.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from swarm.procs import ManagedProcess
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LocalOptions:
+    stages: int = 3
+    peers_per_stage: int = 2
+    stage_layout: list[int] | None = None
+    trainers: int = 1
+    steps: int = 60
+    run_id: str | None = None
+    host: str = "127.0.0.1"
+    log_dir: str | None = None
+    threads: int = 1  # torch threads per process: many processes share this machine's cores
+    startup_timeout: float = 120.0
+    run_args: list[str] = field(default_factory=list)  # passed to the coordinator (run config)
+    peer_args: list[str] = field(default_factory=list)
+    trainer_args: list[str] = field(default_factory=list)
+    python: str = sys.executable
+
+    def layout(self) -> list[int]:
+        layout = self.stage_layout or [self.peers_per_stage] * self.stages
+        if len(layout) != self.stages:
+            raise ValueError(
+                f"--stage-layout {','.join(map(str, layout))} has {len(layout)} entries for {self.stages} stages"
+            )
+        if min(layout) < 1:
+            raise ValueError("every stage needs at least one peer in --stage-layout")
+        return layout
+
+
+def aggregate(summaries: list[dict], wall_s: float) -> dict:
+    """One summary for the whole run from the trainers' summaries."""
+
+    def mean(key: str) -> float | None:
+        vals = [s[key] for s in summaries if s.get(key) is not None]
+        return sum(vals) / len(vals) if vals else None
+
+    failed = set()
+    for s in summaries:
+        failed.update(s.get("failed_peer_ids", []))
+    val = next((s["val_loss"] for s in summaries if s.get("val_loss") is not None), None)
+    return {
+        "steps": max((s["steps"] or 0 for s in summaries), default=0),
+        "samples": sum(s["samples"] for s in summaries),
+        "loss_first": mean("loss_first"),
+        "loss_last": mean("loss_last"),
+        "val_loss": val,
+        "samples_per_s": sum(s["samples_per_s"] for s in summaries),
+        "wall_s": wall_s,
+        "peer_failures": len(failed),
+        "retries": sum(s["retries"] for s in summaries),
+        "replays": sum(s.get("replays", 0) for s in summaries),
+        "microbatches_started": sum(s.get("microbatches_started", 0) for s in summaries),
+        "microbatches_completed": sum(s.get("microbatches_completed", 0) for s in summaries),
+        "microbatches_requeued": sum(s.get("microbatches_requeued", 0) for s in summaries),
+        "microbatches_rejected": sum(s.get("microbatches_rejected", 0) for s in summaries),
+    }
+
+
+class LocalSwarm:
+    """The processes of a local swarm. Use as a context manager: everything is stopped on exit."""
+
+    def __init__(self, opts: LocalOptions) -> None:
+        self.opts = opts
+        self.run_id = opts.run_id or f"local-{uuid.uuid4().hex[:8]}"
+        self.log_dir = Path(opts.log_dir or Path("runs") / self.run_id)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.coordinator: ManagedProcess | None = None
+        self.peers: list[ManagedProcess] = []
+        self.trainers: list[ManagedProcess] = []
+        self.initial_peers: list[str] = []
+        self._lock = threading.Lock()
+        self._counter = 0
+
+    # ---- process construction ----
+
+    def _cmd(self, role: str, *args: str) -> list[str]:
+        return [self.opts.python, "-m", "swarm.cli", role, *args]
+
+    def _env(self) -> dict[str, str]:
+        threads = str(self.opts.threads)
+        return {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+
+    def _spawn(self, name: str, argv: list[str], on_line=None) -> ManagedProcess:
+        proc = ManagedProcess(name, argv, self.log_dir / f"{name}.log", env=self._env(), on_line=on_line)
+        logger.debug("started %s (pid %d): %s", name, proc.pid, " ".join(argv))
+        return proc
+
+    def start_coordinator(self) -> list[str]:
+        argv = self._cmd(
+            "coordinator",
+            "--run-id",
+            self.run_id,
+            "--stages",
+            str(self.opts.stages),
+            "--host",
+            self.opts.host,
+            "--num-trainers",
+            str(self.opts.trainers),
+            *self.opts.run_args,
+        )
+        self.coordinator = self._spawn("coordinator", argv)
+        ready = self.coordinator.wait_ready(self.opts.startup_timeout)
+        self.initial_peers = ready["initial_peers"]
+        return self.initial_peers
+
+    def peer_argv(self, stage: int | str, extra: list[str] | None = None) -> list[str]:
+        return self._cmd(
+            "peer",
+            "--run-id",
+            self.run_id,
+            "--initial-peers",
+            *self.initial_peers,
+            "--stage",
+            str(stage),
+            "--host",
+            self.opts.host,
+            "--threads",
+            str(self.opts.threads),
+            *self.opts.peer_args,
+            *(extra or []),
+        )
+
+    def start_peer(self, stage: int | str, extra: list[str] | None = None, wait: bool = True) -> ManagedProcess:
+        with self._lock:
+            name = f"peer{self._counter}-s{stage}"
+            self._counter += 1
+        proc = self._spawn(name, self.peer_argv(stage, extra))
+        self.peers.append(proc)
+        if wait:
+            proc.wait_ready(self.opts.startup_timeout)
+        return proc
+
+    def start_peers(self, extra: list[str] | None = None) -> list[ManagedProcess]:
+        procs = []
+        for stage, count in enumerate(self.opts.layout()):
+            for _ in range(count):
+                procs.append(self.start_peer(stage, extra, wait=False))
+        for proc in procs:
+            proc.wait_ready(self.opts.startup_timeout)
+        return procs
+
+    def start_trainers(self, on_line=None) -> list[ManagedProcess]:
+        for index in range(self.opts.trainers):
+            argv = self._cmd(
+                "trainer",
+                "--run-id",
+                self.run_id,
+                "--initial-peers",
+                *self.initial_peers,
+                "--steps",
+                str(self.opts.steps),
+                "--trainer-index",
+                str(index),
+                "--num-trainers",
+                str(self.opts.trainers),
+                "--threads",
+                str(self.opts.threads),
+                "--host",
+                self.opts.host,
+                "--json-progress",
+                "--no-progress-bar",
+                *self.opts.trainer_args,
+            )
+            self.trainers.append(self._spawn(f"trainer{index}", argv, on_line=on_line))
+        return self.trainers
+
+    def start(self) -> None:
+        self.start_coordinator()
+        self.start_peers()
+
+    def wait_trainers(self, timeout: float | None = None) -> list[dict]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        summaries = []
+        for trainer in self.trainers:
+            left = None if deadline is None else max(0.1, deadline - time.monotonic())
+            code = trainer.wait(timeout=left)
+            trainer._reader.join(timeout=5)
+            if code != 0 or trainer.summary is None:
+                raise RuntimeError(
+                    f"{trainer.name} exited with code {code}; log {trainer.log_path}:\n{trainer.log_tail(40)}"
+                )
+            summaries.append(trainer.summary)
+        return summaries
+
+    def all_processes(self) -> list[ManagedProcess]:
+        return [p for p in [*self.trainers, *self.peers, self.coordinator] if p is not None]
+
+    def stop(self) -> None:
+        procs = self.all_processes()
+        threads = [threading.Thread(target=p.stop, kwargs={"timeout": 15.0}) for p in procs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    def __enter__(self) -> LocalSwarm:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class ProgressPrinter:
+    """Prints the swarm's progress from the trainers' progress lines: one line per few seconds."""
+
+    def __init__(self, total: int, stream=sys.stderr, interval: float = 2.0) -> None:
+        self.total, self.stream, self.interval = total, stream, interval
+        self._last = 0.0
+        self._state: dict[int, dict] = {}
+        self._lock = threading.Lock()
+        self.tty = stream.isatty()
+
+    def __call__(self, proc: ManagedProcess, line: str, payload: dict | None) -> None:
+        if payload is None or payload.get("event") != "progress":
+            return
+        with self._lock:
+            self._state[payload["trainer"]] = payload
+            now = time.monotonic()
+            step = min(p["step"] for p in self._state.values())
+            if now - self._last < self.interval and step < self.total:
+                return
+            self._last = now
+            losses = [p["loss"] for p in self._state.values() if p.get("loss") is not None]
+            sps = sum(p["samples_per_s"] for p in self._state.values())
+            retries = sum(p["retries"] for p in self._state.values())
+            width = 30
+            filled = int(width * min(step, self.total) / max(1, self.total))
+            bar = "#" * filled + "." * (width - filled)
+            loss = f"{sum(losses) / len(losses):.3f}" if losses else "-"
+            text = f"[{bar}] step {step}/{self.total}  loss {loss}  {sps:.1f} samples/s  retries {retries}"
+            self.stream.write(("\r" + text) if self.tty else text + "\n")
+            self.stream.flush()
+
+
+def run_local(opts: LocalOptions, as_json: bool = False) -> dict:
+    t0 = time.monotonic()
+    opts.layout()  # validate before starting anything
+    out = sys.stdout
+    with LocalSwarm(opts) as swarm:
+        maddrs = swarm.start_coordinator()
+        print(f"run id: {swarm.run_id}", file=out, flush=True)
+        print(f"coordinator: {' '.join(maddrs)}", file=out, flush=True)
+        print(
+            f"attach from another terminal:  swarm peer --run-id {swarm.run_id} --initial-peers {maddrs[0]}  "
+            f"(or swarm trainer / swarm status with the same two options)",
+            file=out,
+            flush=True,
+        )
+        print(f"logs: {swarm.log_dir}/", file=out, flush=True)
+        layout = opts.layout()
+        print(
+            f"starting {sum(layout)} peers (per stage: {','.join(map(str, layout))}) and {opts.trainers} trainer(s)...",
+            file=sys.stderr,
+            flush=True,
+        )
+        swarm.start_peers()
+        printer = ProgressPrinter(opts.steps)
+        swarm.start_trainers(on_line=printer)
+        summaries = swarm.wait_trainers()
+        if printer.tty:
+            sys.stderr.write("\n")
+        result = aggregate(summaries, time.monotonic() - t0)
+    result["wall_s"] = time.monotonic() - t0
+    if as_json:
+        print(json.dumps(result), file=out, flush=True)
+    else:
+        for key, value in result.items():
+            print(f"{key:>24}: {value:.4f}" if isinstance(value, float) else f"{key:>24}: {value}", file=out)
+    return result
+
+
+def default_threads() -> int:
+    return 1 if (os.cpu_count() or 1) <= 8 else 2

@@ -1,0 +1,192 @@
+"""Model specs and stage construction.
+
+A model spec is a small JSON-able dict (it travels in the run config record on the DHT):
+- {"kind": "gpt", ...GPTConfig fields, "layer_split": [..] | None}
+- {"kind": "mlp", ...MLPConfig fields}
+- {"kind": "custom", "factory": "package.module:build_stages", "kwargs": {...}, "seed": 0,
+   "input_dtype": "float32", "input_shape": [...]}: build_stages(num_stages=S, **kwargs) returns the
+  list of S stage modules. Stage k < S-1 maps its input to the next stage's input; the last stage is
+  called as stage(x, targets) and returns the per-sample loss (shape [batch]) or the mean loss (a
+  scalar). `input_shape` is stage 0's input without the batch dimension.
+
+Every stage comes with a `StageSchema`, checked against each request before any compute.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, fields
+
+import torch
+from torch import nn
+
+from swarm.models.gpt import GPT, GPTConfig, build_gpt_stage
+from swarm.models.mlp import MLPConfig, MLPStage, build_mlp_stage
+
+
+@dataclass(frozen=True)
+class TensorSchema:
+    """What a tensor must look like, without its batch dimension. A None dim may vary up to `max_dims`."""
+
+    dtype: torch.dtype
+    dims: tuple[int | None, ...]
+    max_dims: tuple[int | None, ...] = ()
+    value_range: tuple[int, int] | None = None  # for integer ids: lo <= v < hi
+
+    def check(self, tensor: torch.Tensor, what: str, max_batch: int) -> None:
+        if tensor.dtype != self.dtype:
+            raise ValueError(f"{what} has dtype {tensor.dtype}, expected {self.dtype}")
+        if tensor.dim() != 1 + len(self.dims):
+            raise ValueError(
+                f"{what} has shape {list(tensor.shape)}, expected [batch, {', '.join(map(_dim, self.dims))}]"
+            )
+        if not 1 <= tensor.shape[0] <= max_batch:
+            raise ValueError(f"{what} has batch size {tensor.shape[0]}, allowed 1..{max_batch}")
+        for i, (actual, want) in enumerate(zip(tensor.shape[1:], self.dims, strict=True)):
+            limit = self.max_dims[i] if i < len(self.max_dims) else None
+            if want is not None and actual != want:
+                raise ValueError(f"{what} has shape {list(tensor.shape)}, dim {i + 1} must be {want}")
+            if want is None and (actual < 1 or (limit is not None and actual > limit)):
+                raise ValueError(f"{what} has shape {list(tensor.shape)}, dim {i + 1} must be in 1..{limit}")
+        if self.dtype.is_floating_point:
+            if not torch.isfinite(tensor).all():
+                raise ValueError(f"{what} contains NaN or infinity")
+        elif self.value_range is not None and tensor.numel():
+            lo, hi = self.value_range
+            if tensor.min().item() < lo or tensor.max().item() >= hi:
+                raise ValueError(f"{what} has values outside [{lo}, {hi})")
+
+
+def _dim(d: int | None) -> str:
+    return "*" if d is None else str(d)
+
+
+@dataclass(frozen=True)
+class StageSchema:
+    input: TensorSchema
+    targets: TensorSchema | None  # last stage only
+    is_first: bool
+    is_last: bool
+
+
+@dataclass
+class BuiltStage:
+    module: nn.Module
+    schema: StageSchema
+    stage: int
+    num_stages: int
+
+
+def _config_from(cls, spec: dict):
+    names = {f.name for f in fields(cls)}
+    unknown = set(spec) - names - {"kind", "layer_split"}
+    if unknown:
+        raise ValueError(f"unknown {spec.get('kind')} model settings: {sorted(unknown)}")
+    return cls(**{k: v for k, v in spec.items() if k in names})
+
+
+def validate_spec(spec: dict, num_stages: int) -> None:
+    """Raise ValueError with a clear message if the spec cannot be built into `num_stages` stages."""
+    if num_stages < 1:
+        raise ValueError(f"number of stages must be >= 1, got {num_stages}")
+    kind = spec.get("kind")
+    if kind == "gpt":
+        cfg = _config_from(GPTConfig, spec)
+        from swarm.models.gpt import split_layers
+
+        split_layers(cfg.n_layers, num_stages, spec.get("layer_split"))
+    elif kind == "mlp":
+        cfg = _config_from(MLPConfig, spec)
+        if num_stages > cfg.n_layers:
+            raise ValueError(f"cannot split {cfg.n_layers} MLP layers into {num_stages} stages")
+    elif kind == "custom":
+        if ":" not in str(spec.get("factory", "")):
+            raise ValueError("custom model needs 'factory': 'package.module:build_stages'")
+    else:
+        raise ValueError(f"unknown model kind {kind!r}; choose gpt, mlp or custom")
+
+
+def build_stage(spec: dict, stage: int, num_stages: int) -> BuiltStage:
+    validate_spec(spec, num_stages)
+    if not 0 <= stage < num_stages:
+        raise ValueError(f"stage {stage} outside 0..{num_stages - 1}")
+    first, last = stage == 0, stage == num_stages - 1
+    kind = spec["kind"]
+    if kind == "gpt":
+        cfg = _config_from(GPTConfig, spec)
+        module = build_gpt_stage(cfg, stage, num_stages, spec.get("layer_split"))
+        if first:
+            inp = TensorSchema(torch.int64, (None,), (cfg.seq_len,), (0, cfg.vocab_size))
+        else:
+            inp = TensorSchema(torch.float32, (None, cfg.d_model), (cfg.seq_len, None))
+        targets = TensorSchema(torch.int64, (None,), (cfg.seq_len,), (0, cfg.vocab_size)) if last else None
+        return BuiltStage(module, StageSchema(inp, targets, first, last), stage, num_stages)
+    if kind == "mlp":
+        cfg = _config_from(MLPConfig, spec)
+        module = build_mlp_stage(cfg, stage, num_stages)
+        inp = TensorSchema(torch.float32, (cfg.in_dim if first else cfg.hidden,))
+        targets = TensorSchema(torch.int64, (), (), (0, cfg.n_classes)) if last else None
+        return BuiltStage(module, StageSchema(inp, targets, first, last), stage, num_stages)
+    return _build_custom_stage(spec, stage, num_stages)
+
+
+def load_factory(path: str):
+    module_name, _, attr = path.partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"cannot import model factory {path!r}: {e}") from e
+
+
+def _build_custom_stage(spec: dict, stage: int, num_stages: int) -> BuiltStage:
+    factory = load_factory(spec["factory"])
+    kwargs = dict(spec.get("kwargs", {}))
+    torch.manual_seed(int(spec.get("seed", 0)))
+    stages = factory(num_stages=num_stages, **kwargs)
+    if len(stages) != num_stages:
+        raise ValueError(f"{spec['factory']} returned {len(stages)} stages, expected {num_stages}")
+    # Trace a sample input through the earlier stages on the meta device to learn this stage's input.
+    dtype = getattr(torch, spec.get("input_dtype", "float32"))
+    shape = tuple(spec.get("input_shape", ()))
+    x = torch.empty((2, *shape), dtype=dtype, device="meta")
+    with torch.no_grad():
+        for k in range(stage):
+            meta_stage = _meta_copy(stages[k])
+            x = meta_stage(x)
+    inp = TensorSchema(x.dtype, tuple(x.shape[1:]))
+    targets_dtype = getattr(torch, spec.get("targets_dtype", "int64"))
+    targets = TensorSchema(targets_dtype, tuple(spec.get("targets_shape", ()))) if stage == num_stages - 1 else None
+    schema = StageSchema(inp, targets, stage == 0, stage == num_stages - 1)
+    return BuiltStage(stages[stage], schema, stage, num_stages)
+
+
+def _meta_copy(module: nn.Module) -> nn.Module:
+    import copy
+
+    clone = copy.deepcopy(module)
+    return clone.to("meta")
+
+
+def build_full_model(spec: dict) -> nn.Module:
+    """The unsplit model (for export and for checking against single-process training)."""
+    kind = spec.get("kind")
+    if kind == "gpt":
+        return GPT(_config_from(GPTConfig, spec))
+    if kind == "mlp":
+        cfg = _config_from(MLPConfig, spec)
+        return MLPStage(cfg, 0, cfg.n_layers, with_head=True)
+    raise ValueError(f"model kind {kind!r} has no unsplit class; export writes its stages' merged state_dict")
+
+
+__all__ = [
+    "GPT",
+    "GPTConfig",
+    "MLPConfig",
+    "MLPStage",
+    "BuiltStage",
+    "StageSchema",
+    "TensorSchema",
+    "build_stage",
+    "build_full_model",
+    "validate_spec",
+]

@@ -1,0 +1,170 @@
+"""Child processes that are always reaped: each in its own process group (so hivemind's p2pd daemons
+go with it), told to die with its parent (PR_SET_PDEATHSIG), stdout parsed for the parseable lines
+(ready, progress, summary), stderr kept in a log file."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import queue
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+READY_PREFIX = "SWARM_READY "
+PROGRESS_PREFIX = "SWARM_PROGRESS "
+SUMMARY_PREFIX = "SWARM_SUMMARY "
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+class ProcessExited(RuntimeError):
+    pass
+
+
+class ManagedProcess:
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        on_line: Callable[[ManagedProcess, str, dict | None], None] | None = None,
+    ) -> None:
+        self.name, self.argv, self.log_path = name, argv, Path(log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in reap()
+        self.on_line = on_line
+        self.ready: dict | None = None
+        self.summary: dict | None = None
+        self.progress: dict | None = None
+        self.stdout_lines: list[str] = []
+        self._ready_event = threading.Event()
+        self._events: queue.Queue = queue.Queue()
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+            text=True,
+            bufsize=1,
+        )
+        self.pgid = self.proc.pid  # a new session: its process group id is its pid
+        self._reader = threading.Thread(target=self._read, name=f"{name}-stdout", daemon=True)
+        self._reader.start()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _read(self) -> None:
+        for raw in self.proc.stdout:
+            line = raw.rstrip("\n")
+            self.stdout_lines.append(line)
+            payload = None
+            for prefix, attr in ((READY_PREFIX, "ready"), (PROGRESS_PREFIX, "progress"), (SUMMARY_PREFIX, "summary")):
+                if line.startswith(prefix):
+                    try:
+                        payload = json.loads(line[len(prefix) :])
+                    except ValueError:
+                        payload = None
+                    setattr(self, attr, payload)
+                    if attr == "ready":
+                        self._ready_event.set()
+            if self.on_line is not None:
+                try:
+                    self.on_line(self, line, payload)
+                except Exception:  # noqa: BLE001
+                    logger.exception("line handler failed")
+        self._ready_event.set()  # EOF: wake waiters
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def wait_ready(self, timeout: float) -> dict:
+        if not self._ready_event.wait(timeout):
+            raise TimeoutError(f"{self.name} not ready after {timeout:.0f} s; log {self.log_path}:\n{self.log_tail()}")
+        if self.ready is None:
+            self.proc.wait(timeout=5)
+            raise ProcessExited(
+                f"{self.name} exited with code {self.proc.returncode} before it was ready; "
+                f"log {self.log_path}:\n{self.log_tail()}"
+            )
+        return self.ready
+
+    def send_signal(self, sig: int, group: bool = False) -> None:
+        try:
+            if group:
+                os.killpg(self.pgid, sig)
+            else:
+                self.proc.send_signal(sig)
+        except ProcessLookupError:
+            pass
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self.proc.wait(timeout=timeout)
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        """SIGTERM (graceful), then SIGKILL of the whole group; always reaps."""
+        if self.alive():
+            self.send_signal(signal.SIGCONT, group=True)  # a stopped process cannot handle SIGTERM
+            self.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                logger.warning("%s did not stop within %.0f s; killing it", self.name, timeout)
+        self.kill_group()
+        return self.proc.returncode
+
+    def kill_group(self) -> None:
+        """SIGKILL everything left in the process group (hivemind's p2pd included) and reap."""
+        self.send_signal(signal.SIGKILL, group=True)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            logger.error("%s (pid %d) survived SIGKILL", self.name, self.pid)
+        self._reader.join(timeout=5)
+        if not self._log.closed:
+            self._log.close()
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.1, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)

@@ -1,0 +1,232 @@
+"""A process's live view of the swarm: who serves which stage, how fast, at which step.
+
+Two sources, merged: the DHT stage records (discovery, refreshed every couple of seconds) and direct
+`Info` polls of each known peer over gRPC (fresh step, queue and accumulator state, and liveness:
+a peer that stops answering is dropped from wiring within `dead_after` seconds, before its DHT
+record expires).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from swarm.dht import PeerEntry, SwarmDHT
+from swarm.wire.client import StageClient
+from swarm.wiring import PeerLoad
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PeerStatus:
+    load: PeerLoad
+    record_state: str = "joining"
+    record_expiration: float = 0.0
+    step: int = 0
+    accumulating_step: int = 0
+    samples_accumulated: int = 0
+    last_info_ok: float = 0.0
+    first_seen: float = field(default_factory=time.monotonic)
+    info_failures: int = 0
+
+    @property
+    def peer_id(self) -> str:
+        return self.load.peer_id
+
+    @property
+    def stage(self) -> int:
+        return self.load.stage
+
+
+class ClientPool:
+    """One gRPC channel per peer address, reused by every call."""
+
+    def __init__(self, max_message_bytes: int = 256 << 20) -> None:
+        self.max_message_bytes = max_message_bytes
+        self._clients: dict[str, StageClient] = {}
+
+    def get(self, address: str) -> StageClient:
+        client = self._clients.get(address)
+        if client is None:
+            client = self._clients[address] = StageClient(address, self.max_message_bytes)
+        return client
+
+    async def close(self) -> None:
+        clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            try:
+                await client.close()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+class SwarmView:
+    def __init__(
+        self,
+        dht: SwarmDHT,
+        num_stages: int,
+        clients: ClientPool,
+        dht_period: float = 2.0,
+        info_period: float = 0.25,
+        info_timeout: float = 2.0,
+        dead_after: float = 4.0,
+        exclude_peer: str | None = None,
+    ) -> None:
+        self.dht, self.num_stages, self.clients = dht, num_stages, clients
+        self.dht_period, self.info_period, self.info_timeout, self.dead_after = (
+            dht_period,
+            info_period,
+            info_timeout,
+            dead_after,
+        )
+        self.exclude_peer = exclude_peer
+        self.peers: dict[str, PeerStatus] = {}
+        self.changed = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self.dht_ok = False
+        self.offline_seen: set[str] = set()
+
+    # ---- queries ----
+
+    def is_live(self, status: PeerStatus, now: float | None = None) -> bool:
+        now = time.monotonic() if now is None else now
+        if status.record_state not in ("online", "draining"):
+            return False
+        if status.last_info_ok:
+            return now - status.last_info_ok < self.dead_after
+        return now - status.first_seen < self.dead_after + self.info_timeout
+
+    def stage_peers(self, stage: int, live_only: bool = True) -> list[PeerStatus]:
+        now = time.monotonic()
+        return [s for s in self.peers.values() if s.stage == stage and (not live_only or self.is_live(s, now))]
+
+    def stage_loads(self, stage: int) -> list[PeerLoad]:
+        """Peers a trainer may send work to: live and online (not draining)."""
+        out = []
+        for s in self.stage_peers(stage):
+            s.load.online = s.record_state == "online"
+            out.append(s.load)
+        return out
+
+    def stage_step(self, stage: int) -> int | None:
+        """The stage's step: the most advanced live peer's (stage-mates catch up to it)."""
+        peers = self.stage_peers(stage)
+        return max((p.step for p in peers), default=None)
+
+    def global_step(self) -> int | None:
+        """Steps applied by every stage: the minimum over stages (None while a stage has no live peer)."""
+        steps = [self.stage_step(k) for k in range(self.num_stages)]
+        return None if any(s is None for s in steps) else min(steps)
+
+    def missing_stages(self) -> list[int]:
+        return [k for k in range(self.num_stages) if not self.stage_peers(k)]
+
+    # ---- refresh ----
+
+    def apply_records(self, records: dict[int, list[PeerEntry]]) -> None:
+        seen = set()
+        for stage, entries in records.items():
+            for entry in entries:
+                rec = entry.record
+                if rec.peer_id == self.exclude_peer:
+                    continue
+                if rec.state == "offline":
+                    self.offline_seen.add(rec.peer_id)
+                    if rec.peer_id in self.peers and self.peers[rec.peer_id].stage == stage:
+                        self.peers[rec.peer_id].record_state = "offline"
+                    continue
+                seen.add(rec.peer_id)
+                status = self.peers.get(rec.peer_id)
+                if status is None or status.stage != stage or status.load.address != rec.address:
+                    old = status
+                    status = PeerStatus(PeerLoad(rec.peer_id, stage, rec.address, throughput=max(rec.throughput, 1e-3)))
+                    if old is not None:  # moved or re-addressed: keep the ban history
+                        status.load.banned_until, status.load.total_failures = (
+                            old.load.banned_until,
+                            old.load.total_failures,
+                        )
+                    self.peers[rec.peer_id] = status
+                status.record_state = rec.state
+                status.record_expiration = entry.expiration
+                if rec.throughput > 0:
+                    status.load.throughput = rec.throughput
+        for peer_id in list(self.peers):
+            if peer_id not in seen and self.peers[peer_id].record_state != "offline":
+                # its record expired or it went offline: keep it a little for bookkeeping, not for wiring
+                self.peers[peer_id].record_state = "offline"
+
+    async def refresh_dht(self) -> None:
+        loop = asyncio.get_running_loop()
+        records = await loop.run_in_executor(None, self.dht.get_all_stages, self.num_stages)
+        self.apply_records(records)
+        self.dht_ok = True
+        self.changed.set()
+
+    async def _poll_one(self, status: PeerStatus) -> None:
+        try:
+            info = await self.clients.get(status.load.address).info(timeout=self.info_timeout)
+        except grpc.aio.AioRpcError:
+            status.info_failures += 1
+            return
+        except Exception as e:  # noqa: BLE001
+            logger.debug("info poll of %s failed: %s", status.load.address, e)
+            status.info_failures += 1
+            return
+        if info.peer_id and info.peer_id != status.peer_id:
+            status.info_failures += 1  # a different process now listens at that address
+            return
+        status.info_failures = 0
+        status.last_info_ok = time.monotonic()
+        status.step = int(info.step)
+        status.accumulating_step = int(info.accumulating_step)
+        status.samples_accumulated = int(info.samples_accumulated)
+        status.load.reported_queue = float(info.queue_length)
+        # Info is fresher than the DHT record; a peer that moved waits for its new record.
+        status.record_state = info.state if info.stage == status.stage else "offline"
+        if info.throughput > 0:
+            status.load.throughput = info.throughput
+
+    async def poll_info(self, stages: set[int] | None = None) -> None:
+        targets = [
+            s for s in self.peers.values() if s.record_state != "offline" and (stages is None or s.stage in stages)
+        ]
+        if targets:
+            await asyncio.gather(*(self._poll_one(s) for s in targets))
+        self.changed.set()
+
+    async def _dht_loop(self) -> None:
+        while True:
+            try:
+                await self.refresh_dht()
+            except Exception as e:  # noqa: BLE001 - keep the view alive through DHT hiccups
+                logger.warning("DHT refresh failed: %s", e)
+            await asyncio.sleep(self.dht_period)
+
+    async def _info_loop(self, stages: set[int] | None) -> None:
+        while True:
+            await self.poll_info(stages)
+            await asyncio.sleep(self.info_period)
+
+    def start(self, poll_stages: set[int] | None = None) -> None:
+        self._tasks = [asyncio.create_task(self._dht_loop()), asyncio.create_task(self._info_loop(poll_stages))]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                pass
+
+    async def wait_changed(self, timeout: float) -> None:
+        self.changed.clear()
+        try:
+            await asyncio.wait_for(self.changed.wait(), timeout)
+        except TimeoutError:
+            pass

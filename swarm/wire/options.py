@@ -1,0 +1,19 @@
+"""gRPC channel and server options shared by both ends."""
+
+MiB = 1 << 20
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """HTTP/2 and message limits shared by servers and clients (large windows for big tensors)."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.http2.lookahead_bytes", 16 * MiB),
+        ("grpc.http2.bdp_probe", 1),
+        ("grpc.http2.max_frame_size", 16 * MiB - 1),
+        ("grpc.so_reuseport", 0),
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]

@@ -1,0 +1,97 @@
+"""Stochastic wiring: which peer of a stage takes the next microbatch.
+
+The rule: the lowest expected finish time, (queued work + this task) / throughput, with a random
+tie-break. A peer's queued work is what this trainer has in flight there plus what the peer last
+reported queued. Faster peers get proportionally more work, and a new peer with an empty queue is
+probed at once. A failed call bans the peer with an exponentially growing back-off.
+
+This module is pure logic (no I/O): the trainer and the simulator both use it.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+MIN_THROUGHPUT = 1e-3  # samples/s, so an unmeasured peer is still choosable
+
+
+@dataclass
+class PeerLoad:
+    """What a trainer knows about one peer of a stage."""
+
+    peer_id: str
+    stage: int
+    address: str
+    throughput: float = 1.0  # samples/s the peer reports (compute)
+    e2e_throughput: float | None = None  # samples/s this trainer observes, network included
+    reported_queue: float = 0.0  # samples queued at the peer, as last reported
+    in_flight: float = 0.0  # samples this trainer has outstanding at the peer
+    online: bool = True
+    banned_until: float = 0.0
+    failures: int = 0  # consecutive failures (sets the ban length)
+    total_failures: int = 0
+    assigned: int = 0  # microbatches assigned, for metrics and tests
+
+    @property
+    def effective_throughput(self) -> float:
+        if self.e2e_throughput is not None:
+            # the slower of the two: a fast GPU behind a slow link is a slow peer
+            return max(MIN_THROUGHPUT, min(self.throughput, self.e2e_throughput))
+        return max(MIN_THROUGHPUT, self.throughput)
+
+    def expected_finish(self, task_samples: float) -> float:
+        return (self.reported_queue + self.in_flight + task_samples) / self.effective_throughput
+
+
+@dataclass(frozen=True)
+class BanPolicy:
+    base_s: float = 1.0
+    max_s: float = 60.0
+
+    def duration(self, failures: int) -> float:
+        return min(self.max_s, self.base_s * 2 ** max(0, failures - 1))
+
+
+class Wiring:
+    def __init__(
+        self, rng: random.Random | None = None, ban: BanPolicy = BanPolicy(), tie_tolerance: float = 1e-9
+    ) -> None:
+        self.rng = rng or random.Random()
+        self.ban = ban
+        self.tie_tolerance = tie_tolerance
+
+    def eligible(
+        self, peers: list[PeerLoad], now: float, exclude: frozenset[str] | set[str] = frozenset()
+    ) -> list[PeerLoad]:
+        return [p for p in peers if p.online and p.banned_until <= now and p.peer_id not in exclude]
+
+    def choose(
+        self,
+        peers: list[PeerLoad],
+        task_samples: float,
+        now: float,
+        exclude: frozenset[str] | set[str] = frozenset(),
+    ) -> PeerLoad | None:
+        """The eligible peer with the lowest expected finish time, ties broken at random."""
+        candidates = self.eligible(peers, now, exclude)
+        if not candidates:
+            return None
+        finish = [p.expected_finish(task_samples) for p in candidates]
+        best = min(finish)
+        ties = [p for p, f in zip(candidates, finish, strict=True) if f <= best * (1 + self.tie_tolerance) + 1e-12]
+        chosen = ties[0] if len(ties) == 1 else self.rng.choice(ties)
+        chosen.assigned += 1
+        return chosen
+
+    def on_failure(self, peer: PeerLoad, now: float) -> float:
+        """Ban the peer; returns the ban's length in seconds."""
+        peer.failures += 1
+        peer.total_failures += 1
+        duration = self.ban.duration(peer.failures)
+        peer.banned_until = now + duration
+        return duration
+
+    @staticmethod
+    def on_success(peer: PeerLoad) -> None:
+        peer.failures = 0
