@@ -31,9 +31,7 @@ async def run_coordinator(
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    dht = await loop.run_in_executor(
-        None, lambda: SwarmDHT(run.run_id, [], host=host, port=port, announce_host=announce_host)
-    )
+    dht = SwarmDHT(run.run_id, [], host=host, port=port, announce_host=announce_host)  # main thread: see swarm.dht
     set_context(peer=dht.peer_id[-6:])
     announcer = Announcer(lambda ttl: dht.publish_config(text, ttl), CONFIG_PERIOD, CONFIG_TTL, name="config-announcer")
     announcer.start()

@@ -7,7 +7,10 @@ Values stay small (hundreds of bytes): the DHT carries no tensors.
 
 from __future__ import annotations
 
+import asyncio
+import ctypes
 import logging
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -57,6 +60,36 @@ _schema_fields["events"] = (dict[_OwnerKey, EventRecord] | None, None)
 SwarmSchema = pydantic.create_model("SwarmSchema", __module__=__name__, **_schema_fields)
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Ask Linux to kill this process when the thread that created it exits (no-op elsewhere)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
+    except OSError:
+        pass
+
+
+class _DyingDHT(DHT):
+    """hivemind's DHT runs in a forked child that starts a p2pd daemon; neither dies with its owner.
+
+    A SIGKILLed peer must vanish from the swarm, not leave a DHT node and a p2pd serving on its
+    behalf, so both get PR_SET_PDEATHSIG: the DHT process dies with the peer, p2pd with the DHT.
+    """
+
+    def run(self) -> None:
+        die_with_parent()
+        original = asyncio.subprocess.create_subprocess_exec
+
+        async def exec_dying_with_parent(*args, **kwargs):
+            kwargs.setdefault("preexec_fn", die_with_parent)
+            return await original(*args, **kwargs)
+
+        asyncio.subprocess.create_subprocess_exec = exec_dying_with_parent  # only in this child process
+        super().run()
+
+
 @dataclass(frozen=True)
 class PeerEntry:
     owner: bytes
@@ -82,7 +115,9 @@ class SwarmDHT:
         self.owner = self.signer.local_public_key
         validators = [SchemaValidator(SwarmSchema, allow_extra_keys=True, prefix=run_id), self.signer]
         announce = [f"/ip4/{announce_host}/tcp/{port}"] if announce_host and port else None
-        self.dht = DHT(
+        # Create it on the calling thread and keep that thread alive: PR_SET_PDEATHSIG fires when the
+        # creating *thread* exits.
+        self.dht = _DyingDHT(
             initial_peers=list(initial_peers or []),
             host_maddrs=[f"/ip4/{host}/tcp/{port}"],
             announce_maddrs=announce,

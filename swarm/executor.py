@@ -42,6 +42,7 @@ class Task:
     targets: torch.Tensor | None = None
     grad_output: torch.Tensor | None = None
     request_id: str = ""
+    tag: int = 0  # backward: the step the trainer meant this microbatch for
     fn: Callable[[], Any] | None = None
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     enqueued: float = field(default_factory=time.perf_counter)
@@ -50,10 +51,11 @@ class Task:
     def size(self) -> int:
         return 0 if self.inputs is None else int(self.inputs.shape[0])
 
-    def batch_key(self) -> tuple:
+    def batch_key(self, accumulating_step: int) -> tuple:
         x = self.inputs
         t = self.targets
-        return (self.kind, x.dtype, tuple(x.shape[1:]), None if t is None else tuple(t.shape[1:]))
+        tag = max(self.tag, accumulating_step) if self.kind == BACKWARD else 0
+        return (self.kind, x.dtype, tuple(x.shape[1:]), None if t is None else tuple(t.shape[1:]), tag)
 
 
 @dataclass
@@ -74,11 +76,12 @@ class BackwardResult:
 
 @dataclass
 class Accumulated:
-    """A frozen gradient accumulator: the gradient of the summed loss over `samples` samples."""
+    """A gradient accumulator: the gradient of the summed loss over `samples` samples, for `step`."""
 
-    grads: list[torch.Tensor]
+    grads: list[torch.Tensor] | None
     samples: int
     step: int
+    request_ids: set[str] = field(default_factory=set)
 
 
 class StageExecutor:
@@ -100,11 +103,12 @@ class StageExecutor:
         self.inputs_are_float = built.schema.input.dtype.is_floating_point
 
         self.step = 0  # updates applied
-        self.accumulating_step = 0  # the update that newly accumulated gradients will go into
-        self._acc: list[torch.Tensor] | None = None
-        self.samples_accumulated = 0
-        self._acc_ids: set[str] = set()
-        self._recent_ids: collections.deque[set[str]] = collections.deque(maxlen=2)
+        self.accumulating_step = 0  # the next update to apply; its accumulator is the one counted
+        # One accumulator per step: a microbatch the trainer meant for a later step (async mode runs
+        # ahead by up to max_staleness steps) waits in its own accumulator, so each update covers
+        # exactly the samples meant for it.
+        self._acc: dict[int, Accumulated] = {}
+        self._recent_ids: collections.deque[set[str]] = collections.deque(maxlen=4)
 
         self.samples_processed = 0
         self.compute_seconds = 0.0
@@ -136,9 +140,24 @@ class StageExecutor:
         return self.submit(Task(EVAL if validation else FORWARD, inputs, targets))
 
     def backward(
-        self, inputs: torch.Tensor, grad_output: torch.Tensor | None, targets: torch.Tensor | None, request_id: str
+        self,
+        inputs: torch.Tensor,
+        grad_output: torch.Tensor | None,
+        targets: torch.Tensor | None,
+        request_id: str,
+        tag: int = 0,
     ) -> concurrent.futures.Future:
-        return self.submit(Task(BACKWARD, inputs, targets, grad_output, request_id))
+        return self.submit(Task(BACKWARD, inputs, targets, grad_output, request_id, tag))
+
+    @property
+    def samples_accumulated(self) -> int:
+        """Samples accumulated for the next update (`accumulating_step`)."""
+        acc = self._acc.get(self.accumulating_step)
+        return 0 if acc is None else acc.samples
+
+    def samples_ahead(self) -> int:
+        """Samples accumulated for later updates."""
+        return sum(a.samples for step, a in self._acc.items() if step > self.accumulating_step)
 
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Run `fn` on the compute thread, between batches: safe access to parameters and state."""
@@ -166,13 +185,13 @@ class StageExecutor:
             first = self._queue.popleft()
             if first.kind == CALL or (first.kind == BACKWARD and self._is_duplicate(first.request_id)):
                 return [first]
-            batch, total, key = [first], first.size, first.batch_key()
+            batch, total, key = [first], first.size, first.batch_key(self.accumulating_step)
             keep: list[Task] = []
             while self._queue and total < self.max_batch_samples:
                 task = self._queue.popleft()
                 if (
                     task.kind != CALL
-                    and task.batch_key() == key
+                    and task.batch_key(self.accumulating_step) == key
                     and total + task.size <= self.max_batch_samples
                     and not (task.kind == BACKWARD and self._is_duplicate(task.request_id))
                 ):
@@ -184,7 +203,11 @@ class StageExecutor:
             return batch
 
     def _is_duplicate(self, request_id: str) -> bool:
-        return bool(request_id) and (request_id in self._acc_ids or any(request_id in s for s in self._recent_ids))
+        if not request_id:
+            return False
+        return any(request_id in a.request_ids for a in self._acc.values()) or any(
+            request_id in s for s in self._recent_ids
+        )
 
     def _loop(self) -> None:
         while True:
@@ -278,14 +301,18 @@ class StageExecutor:
                 raise NonFiniteError(f"stage {self.built.stage} computed a NaN or infinite gradient; not accumulated")
         if grad_input is not None and not torch.isfinite(grad_input).all():
             raise NonFiniteError(f"stage {self.built.stage} computed a NaN or infinite input gradient")
+        target_step = max(tasks[0].tag, self.accumulating_step)
         if not duplicate:
-            if self._acc is None:
-                self._acc = [torch.zeros_like(p) for p in self.params]
-            for acc, g in zip(self._acc, param_grads, strict=True):
+            acc = self._acc.get(target_step)
+            if acc is None:
+                acc = self._acc[target_step] = Accumulated(None, 0, target_step)
+            if acc.grads is None:
+                acc.grads = [torch.zeros_like(p) for p in self.params]
+            for buf, g in zip(acc.grads, param_grads, strict=True):
                 if g is not None:
-                    acc.add_(g)
-            self.samples_accumulated += x.shape[0]
-            self._acc_ids.update(t.request_id for t in tasks if t.request_id)
+                    buf.add_(g)
+            acc.samples += x.shape[0]
+            acc.request_ids.update(t.request_id for t in tasks if t.request_id)
         grad_input = None if grad_input is None else grad_input.detach().cpu()
         losses = None if losses is None else losses.cpu()
         elapsed = time.perf_counter() - start
@@ -298,7 +325,7 @@ class StageExecutor:
                 BackwardResult(
                     None if grad_input is None else grad_input[sl],
                     None if losses is None else losses[sl],
-                    self.accumulating_step,
+                    target_step,
                     duplicate,
                     elapsed * task.size / max(1, x.shape[0]),
                 )
@@ -308,12 +335,10 @@ class StageExecutor:
 
     def take_accumulated(self) -> Accumulated:
         """Freeze the accumulator for `accumulating_step`; new gradients go into the next update."""
-        grads = self._acc if self._acc is not None else [torch.zeros_like(p) for p in self.params]
-        frozen = Accumulated(grads, self.samples_accumulated, self.accumulating_step)
-        self._acc = None
-        self.samples_accumulated = 0
-        self._recent_ids.append(self._acc_ids)
-        self._acc_ids = set()
+        frozen = self._acc.pop(self.accumulating_step, None) or Accumulated(None, 0, self.accumulating_step)
+        if frozen.grads is None:
+            frozen.grads = [torch.zeros_like(p) for p in self.params]
+        self._recent_ids.append(frozen.request_ids)
         self.accumulating_step += 1
         return frozen
 
@@ -349,9 +374,8 @@ class StageExecutor:
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
         self.accumulating_step = self.step
-        self._acc = None
-        self.samples_accumulated = 0
-        self._acc_ids = set()
+        # gradients computed for steps the loaded state has already applied are stale: drop them
+        self._acc = {s: a for s, a in self._acc.items() if s >= self.step}
 
 
 def _clone_tensors(obj: Any) -> Any:

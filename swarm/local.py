@@ -76,6 +76,7 @@ def aggregate(summaries: list[dict], wall_s: float) -> dict:
         "microbatches_completed": sum(s.get("microbatches_completed", 0) for s in summaries),
         "microbatches_requeued": sum(s.get("microbatches_requeued", 0) for s in summaries),
         "microbatches_rejected": sum(s.get("microbatches_rejected", 0) for s in summaries),
+        "microbatches_cancelled": sum(s.get("microbatches_cancelled", 0) for s in summaries),
     }
 
 

@@ -48,7 +48,8 @@ class PeerConfig:
     threads: int = 0  # torch intra-op threads; 0 keeps torch's default
     announce_period: float = 2.0
     record_ttl: float = 8.0
-    poll_interval: float = 0.1
+    poll_interval: float = 0.05
+    partial_step_timeout: float = 30.0
     join_timeout: float = 60.0
     drain_timeout: float = 10.0
     max_message_mb: int = 256
@@ -96,26 +97,54 @@ def choose_stage_by_throughput(totals: dict[int, float], rng: random.Random) -> 
 
 
 class StepCoordinator:
-    """Decides when this peer applies the update it is accumulating, and applies it."""
+    """Decides when this peer applies the update it is accumulating, and applies it.
 
-    def __init__(self, peer: Peer) -> None:
+    Trainers tag every microbatch with the step it is meant for and send exactly the global batch per
+    step, so the stage's count for a step is exact: the update is applied when the stage-mates
+    together hold the global batch. Two fallbacks keep the run going: a mate that has already
+    applied the update (this peer fell behind), and a stage total stuck below the global batch for
+    `partial_step_timeout` seconds (a trainer died mid-step).
+    """
+
+    def __init__(self, peer: Peer, partial_step_timeout: float) -> None:
         self.peer = peer
+        self.partial_step_timeout = partial_step_timeout
         self.steps_applied = 0
+        self._last_total: tuple[int, int] = (-1, -1)
+        self._last_change = time.monotonic()
 
-    def decide(self, mates: list, executor: StageExecutor, global_batch: int) -> bool:
-        """Step when the stage holds a global batch for this update, or a mate already applied it."""
+    def decide(self, mates: list, executor: StageExecutor, global_batch: int) -> str | None:
+        """Why to step now ("full", "behind", "partial"), or None to keep accumulating."""
         acc_step = executor.accumulating_step
         total = executor.samples_accumulated + sum(
             m.samples_accumulated for m in mates if m.accumulating_step == acc_step
         )
-        return total >= global_batch or any(m.step > executor.step for m in mates)
+        if total >= global_batch:
+            return "full"
+        if any(m.step > executor.step for m in mates):
+            return "behind"
+        now = time.monotonic()
+        if (acc_step, total) != self._last_total:
+            self._last_total, self._last_change = (acc_step, total), now
+        elif total > 0 and now - self._last_change > self.partial_step_timeout:
+            logger.warning(
+                "stage holds %d of %d samples for step %d and none came for %.0f s: stepping with what it has",
+                total,
+                global_batch,
+                acc_step,
+                self.partial_step_timeout,
+            )
+            return "partial"
+        return None
 
-    async def apply(self) -> None:
+    async def apply(self, reason: str) -> None:
         executor = self.peer.executor
         samples, norm = await asyncio.wrap_future(executor.call(executor.local_step))
         self.steps_applied += 1
         set_context(step=executor.step)
-        logger.info("applied update %d from %d samples (grad norm %.3f)", executor.step - 1, samples, norm)
+        logger.info(
+            "applied update %d from %d local samples (%s; grad norm %.3f)", executor.step - 1, samples, reason, norm
+        )
 
 
 class Peer:
@@ -163,11 +192,9 @@ class Peer:
         loop = asyncio.get_running_loop()
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        self.dht = await loop.run_in_executor(
-            None,
-            lambda: SwarmDHT(
-                cfg.run_id, cfg.initial_peers, host=cfg.host, port=cfg.dht_port, announce_host=cfg.announce_host
-            ),
+        # on the main thread, which outlives the DHT process (see swarm.dht._DyingDHT)
+        self.dht = SwarmDHT(
+            cfg.run_id, cfg.initial_peers, host=cfg.host, port=cfg.dht_port, announce_host=cfg.announce_host
         )
         set_context(peer=self.dht.peer_id[-6:])
         self.run = await loop.run_in_executor(None, fetch_run_config, self.dht, cfg.join_timeout)
@@ -184,7 +211,7 @@ class Peer:
         self.announcer = Announcer(self._publish, cfg.announce_period, cfg.record_ttl, name="peer-announcer").start()
         self.view = SwarmView(self.dht, run.num_stages, self.clients, exclude_peer=self.dht.peer_id, dead_after=3.0)
         self.view.start(poll_stages={self.stage})
-        self.coordinator = StepCoordinator(self)
+        self.coordinator = StepCoordinator(self, cfg.partial_step_timeout)
         self._step_task = asyncio.create_task(self._step_loop())
         ready = {
             "role": "peer",
@@ -248,8 +275,9 @@ class Peer:
                 self.serving.throughput = 0.8 * self.serving.throughput + 0.2 * executor.throughput_ema
             mates = self.view.stage_peers(self.stage)
             try:
-                if self.coordinator.decide(mates, executor, run.global_batch):
-                    await self.coordinator.apply()
+                reason = self.coordinator.decide(mates, executor, run.global_batch)
+                if reason is not None:
+                    await self.coordinator.apply(reason)
                     self.announcer.refresh_now()
             except Exception:  # noqa: BLE001 - a failed step must not kill the peer
                 logger.exception("step failed")

@@ -66,6 +66,7 @@ class ServingState:
             accumulating_step=0 if ex is None else ex.accumulating_step,
             uptime_ms=int((time.monotonic() - self.started) * 1000),
             num_parameters=0 if ex is None else sum(p.numel() for p in ex.params),
+            samples_processed=0 if ex is None else ex.samples_processed,
         )
 
 
@@ -164,7 +165,7 @@ class StageService:
         x, targets, grad = self._tensors(received, schema, with_grad=True)
         if msg.reply_codec not in codec.CODEC_LABELS:
             raise WireError(f"unknown reply codec {msg.reply_codec}")
-        result = await asyncio.wrap_future(executor.backward(x, grad, targets, msg.request_id))
+        result = await asyncio.wrap_future(executor.backward(x, grad, targets, msg.request_id, int(msg.step)))
         response = pb.BackwardResponse(
             request_id=msg.request_id,
             peer_step=executor.step,

@@ -111,6 +111,7 @@ class Stats:
     microbatches_completed: int = 0
     microbatches_requeued: int = 0
     microbatches_rejected: int = 0
+    microbatches_cancelled: int = 0  # in flight when the target step was reached
     samples: int = 0
     retries: int = 0
     failed_calls: int = 0
@@ -148,11 +149,10 @@ class Trainer:
         self.clients = ClientPool()
         self.trainer_id = f"t{cfg.trainer_index}-{uuid.uuid4().hex[:8]}"
         self.held: list[HeldBackward] = []
-        self.open: dict[int, Microbatch] = {}
         self.in_flight = 0
         self.progress = asyncio.Event()
         self._mb_ids = itertools.count()
-        self._requeued: collections.deque[int] = collections.deque()
+        self._retry: collections.deque[Microbatch] = collections.deque()
         self._sample_log = None
         self.dht: SwarmDHT | None = None
         self.view: SwarmView | None = None
@@ -165,23 +165,30 @@ class Trainer:
         loop = asyncio.get_running_loop()
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        self.dht = await loop.run_in_executor(
-            None, lambda: SwarmDHT(cfg.run_id, cfg.initial_peers, host=cfg.host, client_mode=True)
-        )
+        self.dht = SwarmDHT(
+            cfg.run_id, cfg.initial_peers, host=cfg.host, client_mode=True
+        )  # main thread: see swarm.dht
         set_context(peer=self.trainer_id)
         self.run: RunConfig = await loop.run_in_executor(None, fetch_run_config, self.dht, cfg.join_timeout)
         run = self.run
         self.num_trainers = cfg.num_trainers or run.num_trainers
         if not 0 <= cfg.trainer_index < self.num_trainers:
             raise ValueError(f"--trainer-index {cfg.trainer_index} outside 0..{self.num_trainers - 1}")
-        self.share = max(1, run.global_batch // self.num_trainers)  # samples per step from this trainer
+        # samples per step from this trainer: the global batch split as evenly as possible
+        base, extra = divmod(run.global_batch, self.num_trainers)
+        self.share = base + (1 if cfg.trainer_index < extra else 0)
+        if self.share < 1:
+            raise ValueError(
+                f"global batch {run.global_batch} is smaller than the number of trainers {self.num_trainers}"
+            )
+        self.staleness = 0 if run.sync == "exact" else run.max_staleness
         self.codec = codec_from_name(run.codec)
         data_cfg = run.data if isinstance(run.data, DataConfig) else DataConfig(**run.data)
         self.dataset = await loop.run_in_executor(None, load_dataset, data_cfg, run.model)
         self.sampler = iter(ShardSampler(self.dataset.num_train, cfg.trainer_index, self.num_trainers, data_cfg.seed))
         if cfg.sample_log:
             self._sample_log = open(cfg.sample_log, "a")  # noqa: SIM115 - closed in close()
-        self.view = SwarmView(self.dht, run.num_stages, self.clients)
+        self.view = SwarmView(self.dht, run.num_stages, self.clients, info_period=0.1)
         self.view.start()
         self._replayer = asyncio.create_task(self._replay_loop())
 
@@ -217,27 +224,23 @@ class Trainer:
 
     # ---- calls ----
 
-    def _next_indices(self, n: int) -> list[int]:
-        out = []
-        while len(out) < n and self._requeued:
-            out.append(self._requeued.popleft())
-        while len(out) < n:
-            out.append(next(self.sampler))
-        return out
-
-    def _make_microbatch(self, step_tag: int) -> Microbatch:
-        indices = self._next_indices(self.run.microbatch)
-        x, y = self.dataset.train(indices)
-        mb = Microbatch(next(self._mb_ids), indices, x, y, step_tag)
-        if self._sample_log is not None:
-            self._sample_log.write(json.dumps({"mb": mb.mb_id, "step": step_tag, "indices": indices}) + "\n")
-            self._sample_log.flush()
-        return mb
-
     async def _call(
-        self, stage: int, request, samples: int, kind: str, exclude: set[str] | None = None
+        self,
+        stage: int,
+        request,
+        samples: int,
+        kind: str,
+        exclude: set[str] | None = None,
+        retry_limit: int | None = -1,
     ) -> tuple[Received, PeerLoad]:
-        """Send to the best peer of `stage`; on failure ban it and retry elsewhere (capped)."""
+        """Send to the best peer of `stage`; on failure ban it and retry elsewhere.
+
+        Retries are capped at `retry_limit` (default: --max-retries; None: no cap, for calls that must
+        not give up because part of the microbatch's gradient is already accumulated). Waiting for a
+        usable peer is capped by --stage-wait-timeout either way.
+        """
+        if retry_limit == -1:
+            retry_limit = self.cfg.max_retries
         exclude = set(exclude or ())
         attempts = 0
         wait_deadline = None
@@ -292,7 +295,7 @@ class Trainer:
                     )
                 attempts += 1
                 self.stats.retries += 1
-                if attempts > self.cfg.max_retries:
+                if retry_limit is not None and attempts > retry_limit:
                     raise MicrobatchFailed(f"stage {stage}: {attempts} attempts failed") from None
                 continue
             finally:
@@ -338,7 +341,8 @@ class Trainer:
                 req.targets.CopyFrom(targets)
             else:
                 req.grad_output.CopyFrom(grad)
-            received, peer = await self._call(k, req, mb.samples, "backward")
+            # no retry cap: later stages already hold this microbatch's gradient
+            received, peer = await self._call(k, req, mb.samples, "backward", retry_limit=None)
             msg = received.message
             if k == S - 1:
                 self.stats.losses_by_step[int(msg.peer_step)].append((float(msg.loss), mb.samples))
@@ -362,8 +366,6 @@ class Trainer:
             status = self.view.peers.get(rec.peer_id)
             if status is not None and status.step > rec.accumulated_step:
                 rec.mb.held.discard(rec.stage)
-                if not rec.mb.held and rec.mb.done:
-                    self.open.pop(rec.mb.mb_id, None)
             else:
                 keep.append(rec)
         if len(keep) != len(self.held):
@@ -402,20 +404,38 @@ class Trainer:
 
     # ---- step pacing ----
 
-    def _open_samples(self) -> int:
-        return sum(mb.samples for mb in self.open.values())
+    def _next_microbatch(self, global_step: int | None) -> Microbatch | None:
+        """The next microbatch to start, or None while the staleness bound holds the trainer back.
 
-    def _admit(self, mb: Microbatch) -> None:
-        """Count a microbatch as open and in flight (synchronously, before its task first runs)."""
-        self.open[mb.mb_id] = mb
-        self.in_flight += 1
-        self.stats.microbatches_started += 1
+        Each trainer contributes exactly `share` samples to every step ("tag"); it may work on tags up
+        to global_step + max_staleness (0 in exact mode: step t+1 starts after every stage applied t).
+        """
+        if self._retry:
+            return self._retry.popleft()
+        g = global_step or 0
+        if self.next_tag < g:  # the swarm moved past steps this trainer did not feed: catch up
+            self.next_tag, self.tag_left = g, self.share
+        if self.next_tag >= self.target or self.next_tag > g + self.staleness:
+            return None
+        n = min(self.run.microbatch, self.tag_left)
+        indices = [next(self.sampler) for _ in range(n)]
+        x, y = self.dataset.train(indices)
+        mb = Microbatch(next(self._mb_ids), indices, x, y, self.next_tag)
+        self.tag_left -= n
+        if self.tag_left == 0:
+            self.next_tag, self.tag_left = self.next_tag + 1, self.share
+        if self._sample_log is not None:
+            self._sample_log.write(json.dumps({"mb": mb.mb_id, "step": mb.step_tag, "indices": indices}) + "\n")
+            self._sample_log.flush()
+        return mb
 
-    async def _run_microbatch(self, mb: Microbatch, requeue: bool = True) -> bool:
-        if mb.mb_id not in self.open:
-            self._admit(mb)
+    async def _run_microbatch(self, mb: Microbatch) -> bool:
         try:
-            await self._process(mb)
+            try:
+                await self._process(mb)
+            except asyncio.CancelledError:
+                self.stats.microbatches_cancelled += 1
+                raise
             self.stats.microbatches_completed += 1
             self.stats.samples += mb.samples
             return True
@@ -425,78 +445,53 @@ class Trainer:
             if self.run.sync == "exact":
                 raise
             return False
-        except (MicrobatchFailed, StageUnavailable) as e:
+        except MicrobatchFailed as e:
+            # failed before any gradient was accumulated: run the same samples again, same step
             self.stats.microbatches_requeued += 1
-            logger.warning("microbatch %d failed (%s); its samples go back to the pool", mb.mb_id, e)
-            if requeue:
-                self._requeued.extend(mb.indices)
+            logger.warning("microbatch %d failed (%s); its samples are queued again", mb.mb_id, e)
+            self._retry.append(Microbatch(next(self._mb_ids), mb.indices, mb.inputs, mb.targets, mb.step_tag))
             return False
         finally:
             self.in_flight -= 1
             if not mb.done:
-                # drop what it holds: its gradient is incomplete and its samples are requeued
                 self.held = [r for r in self.held if r.mb is not mb]
-                self.open.pop(mb.mb_id, None)
-            elif not mb.held:
-                self.open.pop(mb.mb_id, None)
             self.progress.set()
 
     async def _wait_progress(self, timeout: float) -> None:
+        """Until a microbatch finishes, a gradient is applied, or the view changes."""
         self.progress.clear()
+        self.view.changed.clear()
+        waiters = [asyncio.ensure_future(self.progress.wait()), asyncio.ensure_future(self.view.changed.wait())]
         try:
-            await asyncio.wait_for(self.progress.wait(), timeout)
-        except TimeoutError:
-            pass
+            await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waiters:
+                w.cancel()
 
-    async def _train_async(self, target: int) -> None:
-        cap = max(self.run.microbatch, (1 + self.run.max_staleness) * self.share)
+    async def _train(self, target: int) -> None:
         tasks: set[asyncio.Task] = set()
-        while True:
-            step = self.view.global_step()
-            self._report(step)
-            if step is not None and step >= target:
-                break
-            if self.in_flight < self.cfg.max_in_flight and self._open_samples() + self.run.microbatch <= cap:
-                mb = self._make_microbatch(step or 0)
-                self._admit(mb)
-                task = asyncio.create_task(self._run_microbatch(mb))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-                continue
-            await self._wait_progress(0.25)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def _train_exact(self, target: int) -> None:
-        per_step = self.share // self.run.microbatch
-        step = self.view.global_step() or 0
-        while step < target:
-            pending = [self._make_microbatch(step) for _ in range(per_step)]
-            sem = asyncio.Semaphore(self.cfg.max_in_flight)
-
-            async def run_one(mb: Microbatch, sem: asyncio.Semaphore = sem) -> bool:
-                async with sem:
-                    return await self._run_microbatch(mb, requeue=False)
-
-            while pending:
-                results = await asyncio.gather(*(run_one(mb) for mb in pending))
-                # a failed microbatch is retried with the same samples: the step's batch must be whole
-                pending = [
-                    Microbatch(next(self._mb_ids), mb.indices, mb.inputs, mb.targets, step)
-                    for mb, ok in zip(pending, results, strict=True)
-                    if not ok
-                ]
-            deadline = time.monotonic() + self.cfg.stage_wait_timeout
-            while (self.view.global_step() or 0) <= step:
-                if time.monotonic() > deadline:
-                    raise StageUnavailable(
-                        f"the stages did not apply step {step} within {self.cfg.stage_wait_timeout:.0f} s"
-                    )
-                self._report(self.view.global_step())
-                await self._wait_progress(0.1)
-            step = self.view.global_step()
-            self._report(step)
+        try:
+            while True:
+                step = self.view.global_step()
+                self._report(step)
+                if step is not None and step >= target:
+                    break
+                if self.in_flight < self.cfg.max_in_flight:
+                    mb = self._next_microbatch(step)
+                    if mb is not None:
+                        self.in_flight += 1
+                        self.stats.microbatches_started += 1
+                        task = asyncio.create_task(self._run_microbatch(mb))
+                        tasks.add(task)
+                        task.add_done_callback(tasks.discard)
+                        continue
+                await self._wait_progress(0.5)
+                for task in [t for t in tasks if t.done() and not t.cancelled() and t.exception()]:
+                    raise task.exception()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     # ---- validation and reporting ----
 
@@ -596,6 +591,7 @@ class Trainer:
             "microbatches_completed": self.stats.microbatches_completed,
             "microbatches_requeued": self.stats.microbatches_requeued,
             "microbatches_rejected": self.stats.microbatches_rejected,
+            "microbatches_cancelled": self.stats.microbatches_cancelled,
             "failed_peer_ids": sorted(self.stats.failed_peers),
             "val_losses": self.stats.val_losses,
             "trainer_index": self.cfg.trainer_index,
@@ -622,10 +618,8 @@ class Trainer:
                 )
             self.t_start = time.monotonic()
             logger.info("training from step %d to %d (%s mode)", start_step, self.target, self.run.sync)
-            if self.run.sync == "exact":
-                await self._train_exact(self.target)
-            else:
-                await self._train_async(self.target)
+            self.next_tag, self.tag_left = start_step, self.share
+            await self._train(self.target)
             train_s = time.monotonic() - self.t_start
             val_loss = None
             if self.cfg.trainer_index == 0 and self.cfg.val_samples > 0:

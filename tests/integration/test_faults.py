@@ -1,0 +1,88 @@
+"""Real failures during training: SIGKILL and SIGSTOP of a busy peer. Training goes on."""
+
+import signal
+import threading
+
+import pytest
+
+from tests.integration.helpers import info, run_args, wait_for
+
+
+def busiest_peer(swarm, stage: int):
+    """The peer of `stage` that has run the most backward work (the one the wiring prefers)."""
+    peers = [p for p in swarm.peers if p.ready["stage"] == stage and p.alive()]
+    return max(peers, key=lambda p: info(p.ready["address"]).samples_processed)
+
+
+def start_training(swarm, steps: int, trainer_args: list[str] = ()):
+    swarm.opts.steps = steps
+    swarm.opts.trainer_args = list(trainer_args)
+    progress = {"step": 0}
+    reached = threading.Condition()
+
+    def on_line(proc, line, payload):
+        if payload and payload.get("event") == "progress":
+            with reached:
+                progress["step"] = payload["step"]
+                reached.notify_all()
+
+    swarm.start_trainers(on_line=on_line)
+
+    def wait_step(n: int, timeout: float) -> None:
+        with reached:
+            if not reached.wait_for(lambda: progress["step"] >= n, timeout):
+                raise TimeoutError(f"training did not reach step {n} in {timeout} s")
+
+    return wait_step
+
+
+def assert_no_microbatch_lost(summary: dict) -> None:
+    accounted = (
+        summary["microbatches_completed"]
+        + summary["microbatches_requeued"]
+        + summary["microbatches_rejected"]
+        + summary["microbatches_cancelled"]
+    )
+    assert summary["microbatches_started"] == accounted, summary
+    assert summary["microbatches_rejected"] == 0
+
+
+@pytest.mark.timeout(300)
+def test_sigkill_of_a_busy_peer_costs_retries_not_the_run(make_swarm):
+    swarm = make_swarm(stages=3, peers_per_stage=2, trainers=1, run_args=run_args())
+    swarm.start()
+    wait_step = start_training(swarm, steps=24)
+    wait_step(6, timeout=120)
+    victim = busiest_peer(swarm, stage=1)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(timeout=10)
+    [summary] = swarm.wait_trainers(timeout=240)
+    assert summary["steps"] >= 24
+    assert summary["peer_failures"] >= 1
+    assert victim.ready["peer_id"] in summary["failed_peer_ids"]
+    assert summary["retries"] >= 1
+    assert_no_microbatch_lost(summary)
+    survivor = next(p for p in swarm.peers if p.ready["stage"] == 1 and p is not victim)
+    assert info(survivor.ready["address"]).step >= 20  # the stage-mate carried the stage on
+
+
+@pytest.mark.timeout(300)
+def test_sigstop_of_a_busy_peer_fires_deadlines_and_moves_work(make_swarm):
+    swarm = make_swarm(stages=3, peers_per_stage=2, trainers=1, run_args=run_args())
+    swarm.start()
+    wait_step = start_training(swarm, steps=20, trainer_args=["--min-deadline", "2"])
+    wait_step(5, timeout=120)
+    victim = busiest_peer(swarm, stage=1)
+    mate = next(p for p in swarm.peers if p.ready["stage"] == 1 and p is not victim)
+    before = info(mate.ready["address"]).samples_processed
+    victim.send_signal(signal.SIGSTOP)
+    try:
+        [summary] = swarm.wait_trainers(timeout=240)
+    finally:
+        victim.send_signal(signal.SIGCONT)
+    assert summary["steps"] >= 20
+    assert summary["retries"] >= 1 and summary["failed_calls"] >= 1
+    assert victim.ready["peer_id"] in summary["failed_peer_ids"]
+    assert info(mate.ready["address"]).samples_processed > before + 16  # its work moved to the stage-mate
+    assert_no_microbatch_lost(summary)
+    wait_for(lambda: victim.alive(), 5, "the stopped peer to still exist")  # it was paused, not killed

@@ -1,0 +1,88 @@
+"""`swarm local` end to end as a user runs it: real processes, real gRPC and DHT, JSON summary."""
+
+import json
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from tests.integration.helpers import assert_all_reaped, run_args
+
+SUMMARY_KEYS = {
+    "steps",
+    "samples",
+    "loss_first",
+    "loss_last",
+    "val_loss",
+    "samples_per_s",
+    "wall_s",
+    "peer_failures",
+    "retries",
+}
+
+
+@pytest.mark.timeout(300)
+def test_swarm_local_cli_trains_and_reaps_everything(tmp_path):
+    argv = [
+        sys.executable,
+        "-m",
+        "swarm.cli",
+        "local",
+        "--stages",
+        "2",
+        "--peers-per-stage",
+        "2",
+        "--trainers",
+        "2",
+        "--steps",
+        "12",
+        "--json",
+        "--log-dir",
+        str(tmp_path / "logs"),
+        *run_args(),
+    ]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen: set[int] = set()
+    parent = psutil.Process(proc.pid)
+    while proc.poll() is None:  # record every descendant (peers, trainers, DHT processes, p2pd)
+        try:
+            seen.update(c.pid for c in parent.children(recursive=True))
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.5)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-3000:]
+    lines = out.strip().splitlines()
+    assert lines[0].startswith("run id: ")
+    assert lines[1].startswith("coordinator: /ip4/127.0.0.1/tcp/")
+    summary = json.loads(lines[-1])
+    assert SUMMARY_KEYS <= set(summary)
+    assert summary["steps"] >= 12
+    assert summary["samples"] >= 12 * 16
+    assert summary["loss_last"] < summary["loss_first"]
+    assert summary["val_loss"] is not None and summary["val_loss"] < 5.5
+    assert summary["peer_failures"] == 0
+    assert len(seen) >= 2 * 4 + 1, "coordinator, 4 peers, 2 trainers and their DHT daemons"
+    assert_all_reaped([], sorted(seen))
+
+
+@pytest.mark.timeout(120)
+def test_bad_configuration_fails_before_starting_anything(tmp_path):
+    argv = [
+        sys.executable,
+        "-m",
+        "swarm.cli",
+        "local",
+        "--stages",
+        "4",
+        "--model",
+        json.dumps({"kind": "gpt", "n_layers": 2}),
+    ]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "cannot split 2 layers into 4 stages" in proc.stderr
+    argv = [sys.executable, "-m", "swarm.cli", "local", "--stage-layout", "2,0,1"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode != 0 and "at least one peer" in proc.stderr

@@ -1,0 +1,84 @@
+"""The compute thread: batched work equals separate work; duplicates and NaN accumulate nothing."""
+
+import pytest
+import torch
+
+from swarm.config import OptimConfig
+from swarm.executor import NonFiniteError, StageExecutor
+from swarm.models import build_full_model, build_stage
+
+GPT = {"kind": "gpt", "vocab_size": 64, "seq_len": 8, "d_model": 16, "n_layers": 2, "n_heads": 2, "d_ff": 32}
+
+
+@pytest.fixture
+def last_stage():
+    ex = StageExecutor(build_stage(GPT, 1, 2), OptimConfig(), max_batch_samples=64)
+    yield ex
+    ex.stop()
+
+
+def test_batched_backward_equals_unsplit_gradient(last_stage):
+    torch.manual_seed(0)
+    first = build_stage(GPT, 0, 2).module
+    xs = [torch.randint(0, 64, (n, 8)) for n in (2, 3, 1)]
+    ys = [torch.randint(0, 64, (n, 8)) for n in (2, 3, 1)]
+    hs = [first(x).detach() for x in xs]
+    futures = [last_stage.backward(h, None, y, f"r{i}") for i, (h, y) in enumerate(zip(hs, ys, strict=True))]
+    results = [f.result(timeout=30) for f in futures]
+    assert last_stage.samples_accumulated == 6
+    # reference: the unsplit model's gradient of the summed per-sample loss
+    full = build_full_model(GPT)
+    loss = sum(full(x, y).sum() for x, y in zip(xs, ys, strict=True))
+    loss.backward()
+    ref = dict(full.named_parameters())
+    frozen = last_stage.call(last_stage.take_accumulated).result()
+    for (name, _), g in zip(last_stage.module.named_parameters(), frozen.grads, strict=True):
+        assert torch.allclose(g, ref[name].grad, atol=1e-5), name
+    assert frozen.samples == 6 and frozen.step == 0
+    assert all(r.grad_input.shape == h.shape for r, h in zip(results, hs, strict=True))
+
+
+def test_duplicate_request_is_not_accumulated_twice(last_stage):
+    h = torch.randn(2, 8, 16)
+    y = torch.randint(0, 64, (2, 8))
+    a = last_stage.backward(h, None, y, "same").result(timeout=30)
+    b = last_stage.backward(h, None, y, "same").result(timeout=30)
+    assert not a.duplicate and b.duplicate
+    assert last_stage.samples_accumulated == 2
+    assert torch.allclose(a.grad_input, b.grad_input)
+
+
+def test_nan_input_gradient_is_rejected_and_state_kept(last_stage):
+    mid = StageExecutor(build_stage({**GPT, "n_layers": 3}, 1, 3), OptimConfig())
+    try:
+        h = torch.randn(2, 8, 16)
+        bad = torch.full((2, 8, 16), float("nan"))
+        with pytest.raises(NonFiniteError):
+            mid.backward(h, bad, None, "nan").result(timeout=30)
+        assert mid.samples_accumulated == 0
+        ok = mid.backward(h, torch.randn(2, 8, 16), None, "ok").result(timeout=30)
+        assert ok.grad_input is not None and mid.samples_accumulated == 2
+    finally:
+        mid.stop()
+
+
+def test_local_step_applies_mean_gradient_and_advances(last_stage):
+    before = [p.detach().clone() for p in last_stage.params]
+    h, y = torch.randn(4, 8, 16), torch.randint(0, 64, (4, 8))
+    last_stage.backward(h, None, y, "x").result(timeout=30)
+    samples, norm = last_stage.call(last_stage.local_step).result(timeout=30)
+    assert samples == 4 and norm > 0 and last_stage.step == 1 and last_stage.accumulating_step == 1
+    assert any(not torch.equal(a, b) for a, b in zip(before, last_stage.params, strict=True))
+
+
+def test_shape_mismatch_is_an_error_not_a_crash(last_stage):
+    with pytest.raises(RuntimeError):
+        last_stage.forward(torch.randn(2, 8, 15), torch.randint(0, 64, (2, 8))).result(timeout=30)
+    assert last_stage.forward(torch.randn(2, 8, 16), torch.randint(0, 64, (2, 8))).result(timeout=30).loss.shape == (2,)
+
+
+def test_stop_fails_pending_work():
+    ex = StageExecutor(build_stage(GPT, 1, 2), OptimConfig())
+    ex.stop()
+    with pytest.raises(RuntimeError, match="stopped"):
+        ex.forward(torch.randn(1, 8, 16))
