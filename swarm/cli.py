@@ -164,6 +164,7 @@ def add_peer_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--announce-period", type=float, default=2.0, help="seconds between DHT record refreshes")
     p.add_argument("--record-ttl", type=float, default=8.0, help="seconds a DHT record lives without refresh")
+    p.add_argument("--max-message-mb", type=int, default=256, help="largest request accepted, in MiB")
     p.add_argument("--no-benchmark-cache", action="store_true", help="re-measure throughput instead of using the cache")
     p.add_argument("--fail-at-step", type=int, help="fault injection for tests: fail when the stage reaches this step")
     p.add_argument("--fail-mode", default="kill", choices=["kill", "stop", "exit"], help="how --fail-at-step fails")
@@ -218,6 +219,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
             announce_period=args.announce_period,
             record_ttl=args.record_ttl,
             use_benchmark_cache=not args.no_benchmark_cache,
+            max_message_mb=args.max_message_mb,
             fail_at_step=args.fail_at_step,
             fail_mode=args.fail_mode,
         )

@@ -19,7 +19,7 @@ import torch
 from swarm.executor import NonFiniteError, StageExecutor
 from swarm.models import StageSchema
 from swarm.wire import codec, messages
-from swarm.wire.codec import WireError
+from swarm.wire.codec import MessageTooLarge, WireError
 from swarm.wire.messages import Received
 from swarm.wire.options import MiB, channel_options
 from swarm.wire.protocol import pb
@@ -133,6 +133,8 @@ class StageService:
             return await coro_fn()
         except RequestError as e:
             await context.abort(e.code, e.args[0])
+        except MessageTooLarge as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except (WireError, NonFiniteError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except (ValueError, IndexError, TypeError) as e:
@@ -208,11 +210,14 @@ class StageService:
             for chunk in messages.to_chunks(response):
                 yield chunk.SerializeToString()
 
-    def forward_stream(self, request_iterator, context) -> AsyncIterator[bytes]:
-        return self._stream(request_iterator, context, pb.ForwardRequest, self._forward)
+    # grpc.aio needs handlers that are async generator functions themselves to stream responses
+    async def forward_stream(self, request_iterator, context) -> AsyncIterator[bytes]:
+        async for chunk in self._stream(request_iterator, context, pb.ForwardRequest, self._forward):
+            yield chunk
 
-    def backward_stream(self, request_iterator, context) -> AsyncIterator[bytes]:
-        return self._stream(request_iterator, context, pb.BackwardRequest, self._backward)
+    async def backward_stream(self, request_iterator, context) -> AsyncIterator[bytes]:
+        async for chunk in self._stream(request_iterator, context, pb.BackwardRequest, self._backward):
+            yield chunk
 
     async def get_state(self, raw: bytes, context) -> AsyncIterator[bytes]:
         request = messages.parse(pb.StateRequest, raw)

@@ -56,6 +56,10 @@ class WireError(ValueError):
     """A message that cannot be decoded or does not match what the receiver expects."""
 
 
+class MessageTooLarge(WireError):
+    """A message over the receiver's size limit (gRPC RESOURCE_EXHAUSTED)."""
+
+
 def codec_from_name(name: str) -> int:
     try:
         return CODEC_NAMES[name]

@@ -14,7 +14,7 @@ import torch
 from google.protobuf.message import DecodeError, Message
 
 from swarm.wire import codec
-from swarm.wire.codec import WireError
+from swarm.wire.codec import MessageTooLarge, WireError
 from swarm.wire.protocol import pb
 
 TENSOR_FIELDS: dict[type, tuple[str, ...]] = {
@@ -120,7 +120,7 @@ class _Assembler:
                     self.layout.append((name, t.data_size, t.scales_size))
                     total += t.data_size + t.scales_size
             if total > self.max_bytes:
-                raise WireError(f"streamed message announces {total} bytes, more than the limit {self.max_bytes}")
+                raise MessageTooLarge(f"streamed message announces {total} bytes, more than the limit {self.max_bytes}")
             self.buffer = bytearray(total)
             if chunk.data:
                 self._append(chunk.data)
