@@ -165,6 +165,9 @@ def add_peer_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--announce-period", type=float, default=2.0, help="seconds between DHT record refreshes")
     p.add_argument("--record-ttl", type=float, default=8.0, help="seconds a DHT record lives without refresh")
     p.add_argument("--max-message-mb", type=int, default=256, help="largest request accepted, in MiB")
+    p.add_argument("--checkpoint-dir", help="write (one peer per stage) and restore checkpoints of stages here")
+    p.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
+    p.add_argument("--matchmaking-time", type=float, default=0.5, help="seconds a stage's averaging group forms in")
     p.add_argument("--no-benchmark-cache", action="store_true", help="re-measure throughput instead of using the cache")
     p.add_argument("--fail-at-step", type=int, help="fault injection for tests: fail when the stage reaches this step")
     p.add_argument("--fail-mode", default="kill", choices=["kill", "stop", "exit"], help="how --fail-at-step fails")
@@ -185,7 +188,10 @@ def add_trainer_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--json-progress", action="store_true", help="print a parseable progress line per step on stdout")
     p.add_argument("--no-progress-bar", action="store_true")
-    p.add_argument("--sample-log", help="append the sample indices of every microbatch to this JSON-lines file")
+    p.add_argument(
+        "--sample-log",
+        help="append every microbatch's step and sample indices to this JSON-lines file ({trainer}: the index)",
+    )
 
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
@@ -202,6 +208,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
 
 def cmd_peer(args: argparse.Namespace) -> int:
+    from swarm.averaging import AveragingConfig
     from swarm.peer import PeerConfig, run_peer
 
     setup_logging("peer", args.log_level)
@@ -220,6 +227,11 @@ def cmd_peer(args: argparse.Namespace) -> int:
             record_ttl=args.record_ttl,
             use_benchmark_cache=not args.no_benchmark_cache,
             max_message_mb=args.max_message_mb,
+            checkpoint_dir=args.checkpoint_dir,
+            checkpoint_every=args.checkpoint_every,
+            averaging=AveragingConfig(
+                matchmaking_time=args.matchmaking_time, request_timeout=args.matchmaking_time / 2
+            ),
             fail_at_step=args.fail_at_step,
             fail_mode=args.fail_mode,
         )
@@ -270,6 +282,9 @@ def cmd_local(args: argparse.Namespace) -> int:
     stages = args.stages or 3
     run_id = args.run_id or f"local-{uuid.uuid4().hex[:8]}"
     run = build_run_config(args, run_id, stages, args.trainers, steps=args.steps)
+    checkpoint_args = []
+    if args.checkpoint_dir:
+        checkpoint_args = ["--checkpoint-dir", args.checkpoint_dir, "--checkpoint-every", str(args.checkpoint_every)]
     opts = LocalOptions(
         stages=stages,
         peers_per_stage=args.peers_per_stage,
@@ -280,7 +295,7 @@ def cmd_local(args: argparse.Namespace) -> int:
         log_dir=args.log_dir,
         threads=args.threads,
         run_args=["--config-json", run.to_json()],
-        peer_args=list(args.peer_arg or []),
+        peer_args=checkpoint_args + list(args.peer_arg or []),
         trainer_args=list(args.trainer_arg or []),
     )
     try:
@@ -292,6 +307,18 @@ def cmd_local(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted: every process of the local swarm was stopped", file=sys.stderr)
         return 130
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from swarm.export import export
+
+    setup_logging("export", args.log_level)
+    try:
+        result = export(args.checkpoint_dir, args.out, args.step)
+    except ValueError as e:
+        raise SystemExit(f"swarm export: {e}") from None
+    print(json.dumps(result))
     return 0
 
 
@@ -334,10 +361,18 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-id", help="run id (default: random)")
     p.add_argument("--log-dir", help="per-process logs (default runs/RUN_ID)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--checkpoint-dir", help="peers write and restore stage checkpoints here")
+    p.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
     p.add_argument("--peer-arg", action="append", help="extra argument for every peer (repeatable)")
     p.add_argument("--trainer-arg", action="append", help="extra argument for every trainer (repeatable)")
     add_run_args(p)
     p.set_defaults(func=cmd_local)
+
+    p = sub.add_parser("export", help="merge stage checkpoints into one state_dict of the unsplit model")
+    p.add_argument("--checkpoint-dir", required=True, help="the peers' --checkpoint-dir")
+    p.add_argument("--out", required=True, help="output .pt file (a plain state_dict)")
+    p.add_argument("--step", type=int, help="checkpoint step to export (default: the newest all stages have)")
+    p.set_defaults(func=cmd_export)
     return parser
 
 

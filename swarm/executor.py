@@ -108,7 +108,10 @@ class StageExecutor:
         # ahead by up to max_staleness steps) waits in its own accumulator, so each update covers
         # exactly the samples meant for it.
         self._acc: dict[int, Accumulated] = {}
+        self._frozen: Accumulated | None = None  # taken for averaging, not yet applied
         self._recent_ids: collections.deque[set[str]] = collections.deque(maxlen=4)
+        self.samples_discarded = 0
+        self.averaging_rounds = 0
 
         self.samples_processed = 0
         self.compute_seconds = 0.0
@@ -151,8 +154,11 @@ class StageExecutor:
 
     @property
     def samples_accumulated(self) -> int:
-        """Samples accumulated for the next update (`accumulating_step`)."""
-        acc = self._acc.get(self.accumulating_step)
+        """Samples held for the next update to apply (`step`), frozen for averaging or not."""
+        frozen = self._frozen
+        if frozen is not None and frozen.step == self.step:
+            return frozen.samples
+        acc = self._acc.get(self.step)
         return 0 if acc is None else acc.samples
 
     def samples_ahead(self) -> int:
@@ -340,7 +346,23 @@ class StageExecutor:
             frozen.grads = [torch.zeros_like(p) for p in self.params]
         self._recent_ids.append(frozen.request_ids)
         self.accumulating_step += 1
+        self._frozen = frozen
         return frozen
+
+    def add_to_accumulator(self, frozen: Accumulated, step: int) -> None:
+        """Carry a frozen gradient into the accumulator of `step` (compute thread only)."""
+        acc = self._acc.get(step)
+        if acc is None:
+            acc = self._acc[step] = Accumulated(None, 0, step)
+        if acc.grads is None:
+            acc.grads = [g.clone() for g in frozen.grads]
+        else:
+            for buf, g in zip(acc.grads, frozen.grads, strict=True):
+                buf.add_(g)
+        acc.samples += frozen.samples
+        acc.request_ids |= frozen.request_ids
+        if self._frozen is frozen:
+            self._frozen = None
 
     def apply_mean_gradient(self, mean_grads: list[torch.Tensor], step: int) -> float:
         """Apply the update for `step` from the mean gradient (already averaged across the stage)."""
@@ -353,6 +375,8 @@ class StageExecutor:
             p.grad = None
         self.step = step + 1
         self.accumulating_step = max(self.accumulating_step, self.step)
+        if self._frozen is not None and self._frozen.step < self.step:
+            self._frozen = None
         return norm
 
     def local_step(self) -> tuple[int, float]:
@@ -374,6 +398,8 @@ class StageExecutor:
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
         self.accumulating_step = self.step
+        if self._frozen is not None and self._frozen.step < self.step:
+            self._frozen = None
         # gradients computed for steps the loaded state has already applied are stale: drop them
         self._acc = {s: a for s, a in self._acc.items() if s >= self.step}
 

@@ -1,9 +1,9 @@
 """The run-peer daemon: joins the DHT, takes a stage, serves Forward/Backward over gRPC, accumulates
-gradients and steps when its stage has accumulated a global batch.
+gradients, and applies updates together with its stage-mates (swarm.stepping).
 
-Step rule: every `poll_interval` the peer asks its stage-mates (Info over gRPC) how many samples
-they hold for the update it is accumulating. When the stage's total reaches the global batch, or a
-mate has already applied that update, the peer applies it (see `StepCoordinator`).
+On joining a stage the peer first gets the stage's current state: from an up-to-date live mate over
+gRPC (GetState), else from the newest checkpoint of that stage, else a fresh seeded initialization;
+only then does it announce itself online.
 """
 
 from __future__ import annotations
@@ -15,12 +15,14 @@ import os
 import random
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from swarm import __version__
+from swarm.averaging import AveragingConfig, StageAverager
 from swarm.config import RunConfig
 from swarm.dht import Announcer, PeerRecord, SwarmDHT
 from swarm.executor import StageExecutor
@@ -28,6 +30,8 @@ from swarm.log import set_context
 from swarm.models import build_stage
 from swarm.procs import READY_PREFIX
 from swarm.server import Limits, ServingState, StageService, start_server
+from swarm.state import CheckpointStore, StateError, checkpoint_meta, download, serialize, stamp, state_chunks, validate
+from swarm.stepping import StepCoordinator
 from swarm.throughput import measure_throughput
 from swarm.view import ClientPool, SwarmView
 from swarm.wire.codec import codec_from_name
@@ -49,11 +53,17 @@ class PeerConfig:
     announce_period: float = 2.0
     record_ttl: float = 8.0
     poll_interval: float = 0.05
+    mates_poll_interval: float = 0.1
     partial_step_timeout: float = 30.0
     join_timeout: float = 60.0
     drain_timeout: float = 10.0
+    state_timeout: float = 120.0
     max_message_mb: int = 256
     use_benchmark_cache: bool = True
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 50
+    checkpoint_keep: int = 3
+    averaging: AveragingConfig = field(default_factory=AveragingConfig)
     fail_at_step: int | None = None  # fault injection: act at this step (torchft-style hook)
     fail_mode: str = "kill"  # kill (SIGKILL self), stop (SIGSTOP self), exit (os._exit(3))
 
@@ -62,6 +72,8 @@ class PeerConfig:
             raise ValueError(f"--stage must be a stage index or 'auto', got {self.stage!r}")
         if self.fail_mode not in ("kill", "stop", "exit"):
             raise ValueError(f"--fail-mode must be kill, stop or exit, got {self.fail_mode!r}")
+        if self.checkpoint_every < 1:
+            raise ValueError("--checkpoint-every must be >= 1")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -74,7 +86,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 def fetch_run_config(dht: SwarmDHT, timeout: float) -> RunConfig:
-    """Wait for the coordinator's run config record, with a deadline."""
+    """Wait for the run config record, with a deadline."""
     deadline = time.monotonic() + timeout
     delay = 0.2
     while True:
@@ -96,57 +108,6 @@ def choose_stage_by_throughput(totals: dict[int, float], rng: random.Random) -> 
     return rng.choice([k for k, v in totals.items() if v <= least * (1 + 1e-9)])
 
 
-class StepCoordinator:
-    """Decides when this peer applies the update it is accumulating, and applies it.
-
-    Trainers tag every microbatch with the step it is meant for and send exactly the global batch per
-    step, so the stage's count for a step is exact: the update is applied when the stage-mates
-    together hold the global batch. Two fallbacks keep the run going: a mate that has already
-    applied the update (this peer fell behind), and a stage total stuck below the global batch for
-    `partial_step_timeout` seconds (a trainer died mid-step).
-    """
-
-    def __init__(self, peer: Peer, partial_step_timeout: float) -> None:
-        self.peer = peer
-        self.partial_step_timeout = partial_step_timeout
-        self.steps_applied = 0
-        self._last_total: tuple[int, int] = (-1, -1)
-        self._last_change = time.monotonic()
-
-    def decide(self, mates: list, executor: StageExecutor, global_batch: int) -> str | None:
-        """Why to step now ("full", "behind", "partial"), or None to keep accumulating."""
-        acc_step = executor.accumulating_step
-        total = executor.samples_accumulated + sum(
-            m.samples_accumulated for m in mates if m.accumulating_step == acc_step
-        )
-        if total >= global_batch:
-            return "full"
-        if any(m.step > executor.step for m in mates):
-            return "behind"
-        now = time.monotonic()
-        if (acc_step, total) != self._last_total:
-            self._last_total, self._last_change = (acc_step, total), now
-        elif total > 0 and now - self._last_change > self.partial_step_timeout:
-            logger.warning(
-                "stage holds %d of %d samples for step %d and none came for %.0f s: stepping with what it has",
-                total,
-                global_batch,
-                acc_step,
-                self.partial_step_timeout,
-            )
-            return "partial"
-        return None
-
-    async def apply(self, reason: str) -> None:
-        executor = self.peer.executor
-        samples, norm = await asyncio.wrap_future(executor.call(executor.local_step))
-        self.steps_applied += 1
-        set_context(step=executor.step)
-        logger.info(
-            "applied update %d from %d local samples (%s; grad norm %.3f)", executor.step - 1, samples, reason, norm
-        )
-
-
 class Peer:
     def __init__(self, cfg: PeerConfig) -> None:
         self.cfg = cfg
@@ -154,6 +115,9 @@ class Peer:
         self.dht: SwarmDHT | None = None
         self.run: RunConfig | None = None
         self.executor: StageExecutor | None = None
+        self.averager: StageAverager | None = None
+        self.stepper: StepCoordinator | None = None
+        self.checkpoints: CheckpointStore | None = None
         self.serving: ServingState | None = None
         self.announcer: Announcer | None = None
         self.view: SwarmView | None = None
@@ -162,6 +126,8 @@ class Peer:
         self.address = ""
         self.device = resolve_device(cfg.device)
         self.stage = -1
+        self._tasks: list[asyncio.Task] = []
+        self._checkpoint_lock = threading.Lock()
 
     # ---- records ----
 
@@ -185,6 +151,9 @@ class Peer:
     def _publish_offline(self) -> None:
         self.dht.announce_peer(self.stage, self.record("offline"), self.cfg.record_ttl)
 
+    def live_mates(self) -> list:
+        return [] if self.view is None else self.view.stage_peers(self.stage)
+
     # ---- lifecycle ----
 
     async def start(self) -> None:
@@ -201,29 +170,40 @@ class Peer:
         run = self.run
         self.serving = ServingState(run.run_id, self.dht.peer_id, __version__)
         self.serving.codec = codec_from_name(run.codec)
+        self.serving.state_provider = self._state_stream
         limits = Limits(max_message_bytes=cfg.max_message_mb << 20, max_batch=run.max_batch)
-        service = StageService(self.serving, limits)
-        self.server, port = await start_server(service, cfg.host, cfg.port, limits)
+        self.server, port = await start_server(StageService(self.serving, limits), cfg.host, cfg.port, limits)
         self.address = f"{cfg.announce_host or cfg.host}:{port}"
-        self.stage = await self._pick_stage()
-        await self._load_stage(self.stage)
-        self.serving.state = "online"
+        self.view = SwarmView(
+            self.dht,
+            run.num_stages,
+            self.clients,
+            exclude_peer=self.dht.peer_id,
+            dead_after=3.0,
+            info_period=cfg.mates_poll_interval,
+        )
+        await self.enter_stage(await self._pick_stage())
         self.announcer = Announcer(self._publish, cfg.announce_period, cfg.record_ttl, name="peer-announcer").start()
-        self.view = SwarmView(self.dht, run.num_stages, self.clients, exclude_peer=self.dht.peer_id, dead_after=3.0)
         self.view.start(poll_stages={self.stage})
-        self.coordinator = StepCoordinator(self, cfg.partial_step_timeout)
-        self._step_task = asyncio.create_task(self._step_loop())
+        self._tasks = [asyncio.create_task(self._step_loop()), asyncio.create_task(self._config_keeper())]
         ready = {
             "role": "peer",
             "peer_id": self.dht.peer_id,
             "stage": self.stage,
+            "step": self.executor.step,
             "address": self.address,
             "dht_maddrs": self.dht.visible_maddrs(),
             "throughput": self.serving.throughput,
             "pid": os.getpid(),
         }
         print(READY_PREFIX + json.dumps(ready), flush=True)
-        logger.info("serving stage %d at %s (%.1f samples/s)", self.stage, self.address, self.serving.throughput)
+        logger.info(
+            "serving stage %d from step %d at %s (%.1f samples/s)",
+            self.stage,
+            self.executor.step,
+            self.address,
+            self.serving.throughput,
+        )
 
     async def _pick_stage(self) -> int:
         run = self.run
@@ -241,31 +221,133 @@ class Peer:
         }
         return choose_stage_by_throughput(totals, self.rng)
 
-    async def _load_stage(self, stage: int) -> None:
-        run = self.run
+    async def enter_stage(self, stage: int) -> None:
+        """Build the stage, get its current state, measure throughput; the peer is then ready to serve."""
+        run, cfg = self.run, self.cfg
         loop = asyncio.get_running_loop()
         self.stage = stage
         set_context(stage=stage, step=0)
+        self.serving.state = "joining"
         built = await loop.run_in_executor(None, build_stage, run.model, stage, run.num_stages)
         self.executor = StageExecutor(
             built, run.optim, self.device, max_batch_samples=max(run.max_batch, run.microbatch)
         )
         self.serving.stage, self.serving.schema, self.serving.executor = stage, built.schema, self.executor
-        # announce "joining" at once so that auto-placed peers see each other
         self.serving.throughput = 0.0
-        await loop.run_in_executor(None, self.dht.announce_peer, stage, self.record("joining"), self.cfg.record_ttl)
-        self.serving.throughput = await loop.run_in_executor(
-            None,
-            measure_throughput,
+        # announce "joining" at once so that auto-placed peers see each other
+        await loop.run_in_executor(None, self.dht.announce_peer, stage, self.record("joining"), cfg.record_ttl)
+        if cfg.checkpoint_dir:
+            self.checkpoints = CheckpointStore(cfg.checkpoint_dir, stage, keep=cfg.checkpoint_keep)
+        await self.view.refresh_dht()
+        await self.view.poll_info({stage})
+        await self._initial_state()
+        # one averager per process, created on this (main) thread: see swarm.averaging
+        self.averager = StageAverager(self.dht.dht, run.run_id, stage, self.executor.params, cfg.averaging)
+        self.stepper = StepCoordinator(
             self.executor,
-            built.schema,
-            run.model,
-            run.microbatch,
-            self.cfg.use_benchmark_cache,
+            self.averager,
+            self.live_mates,
+            self.sync_from_mates,
+            run.global_batch,
+            cfg.partial_step_timeout,
+            after_update=self._after_update,
         )
+        self.serving.throughput = await loop.run_in_executor(
+            None, measure_throughput, self.executor, built.schema, run.model, run.microbatch, cfg.use_benchmark_cache
+        )
+        self.serving.state = "online"
+        set_context(step=self.executor.step)
+
+    def _meta(self) -> dict:
+        run = self.run
+        meta = checkpoint_meta(run.run_id, self.stage, run.num_stages, run.model)
+        meta.pop("run_id")  # a checkpoint may seed a new run of the same model and split
+        return meta
+
+    async def _initial_state(self) -> None:
+        mates = [m for m in self.live_mates() if m.record_state == "online"]
+        if mates and max(m.step for m in mates) > 0:
+            if await self.sync_from_mates():
+                return
+            logger.warning("could not download the stage's state from any mate")
+        if not mates and self.checkpoints is not None:
+            loop = asyncio.get_running_loop()
+            found = await loop.run_in_executor(None, self.checkpoints.load_latest, self.executor.module, self._meta())
+            if found is not None:
+                state, ckpt = found
+                await asyncio.wrap_future(self.executor.call(lambda: self.executor.load_state_dict(state)))
+                logger.info("restored stage %d from checkpoint %s (step %d)", self.stage, ckpt.path, ckpt.step)
+                return
+        logger.info("stage %d starts from its seeded initialization", self.stage)
+
+    async def sync_from_mates(self) -> bool:
+        """Download the state of the most advanced live mate (trying up to three); True on success."""
+        run = self.run
+        mates = sorted(
+            (m for m in self.live_mates() if m.record_state in ("online", "draining")), key=lambda m: -m.step
+        )
+        for mate in mates[:3]:
+            started = time.monotonic()
+            try:
+                state = await download(
+                    self.clients.get(mate.load.address),
+                    run.run_id,
+                    self.stage,
+                    self.cfg.state_timeout,
+                    self.cfg.max_message_mb << 22,
+                )
+                validate(state, self.executor.module)
+            except (StateError, Exception) as e:  # noqa: BLE001 - try the next mate
+                logger.warning("state download from %s failed: %s", mate.peer_id[-6:], e)
+                continue
+            await asyncio.wrap_future(self.executor.call(lambda s=state: self.executor.load_state_dict(s)))
+            set_context(step=self.executor.step)
+            logger.info(
+                "downloaded stage %d state at step %d from %s in %.2f s",
+                self.stage,
+                state["step"],
+                mate.peer_id[-6:],
+                time.monotonic() - started,
+            )
+            return True
+        return False
+
+    async def _state_stream(self):
+        """GetState: a consistent snapshot taken between batches on the compute thread."""
+        ex = self.executor
+        state = await asyncio.wrap_future(ex.call(ex.state_dict))
+        data = await asyncio.get_running_loop().run_in_executor(None, serialize, state)
+        async for chunk in state_chunks(data, state["step"]):
+            yield chunk
+
+    # ---- updates and checkpoints ----
+
+    def _is_checkpoint_writer(self) -> bool:
+        """One writer per stage without coordination: the live online peer with the smallest id."""
+        ids = [m.peer_id for m in self.live_mates() if m.record_state == "online"] + [self.dht.peer_id]
+        return min(ids) == self.dht.peer_id
+
+    def _after_update(self, step: int) -> None:
+        self.announcer.refresh_now()
+        if self.checkpoints is not None and step % self.cfg.checkpoint_every == 0 and self._is_checkpoint_writer():
+            self._write_checkpoint_async()
+
+    def _write_checkpoint_async(self) -> threading.Thread:
+        ex = self.executor
+        future = ex.call(ex.state_dict)
+        store, meta, spec = self.checkpoints, self._meta(), self.run.model
+
+        def write() -> None:
+            state = future.result()
+            with self._checkpoint_lock:
+                path = store.save(stamp(state, meta, spec))
+            logger.info("checkpoint of stage %d at step %d written to %s", meta["stage"], state["step"], path)
+
+        thread = threading.Thread(target=write, name="checkpoint-writer", daemon=False)
+        thread.start()
+        return thread
 
     async def _step_loop(self) -> None:
-        run = self.run
         while not self.stop_event.is_set():
             await asyncio.sleep(self.cfg.poll_interval)
             executor = self.executor
@@ -273,14 +355,26 @@ class Peer:
                 self._inject_fault()
             if executor.throughput_ema:
                 self.serving.throughput = 0.8 * self.serving.throughput + 0.2 * executor.throughput_ema
-            mates = self.view.stage_peers(self.stage)
             try:
-                reason = self.coordinator.decide(mates, executor, run.global_batch)
+                reason = self.stepper.decide()
                 if reason is not None:
-                    await self.coordinator.apply(reason)
-                    self.announcer.refresh_now()
-            except Exception:  # noqa: BLE001 - a failed step must not kill the peer
-                logger.exception("step failed")
+                    await self.stepper.run_update(reason)
+            except Exception:  # noqa: BLE001 - a failed update must not kill the peer
+                logger.exception("update failed")
+
+    async def _config_keeper(self) -> None:
+        """Re-publish the run config if its record disappears (the coordinator died): new peers can
+        still join."""
+        text = self.run.to_json()
+        loop = asyncio.get_running_loop()
+        while not self.stop_event.is_set():
+            await asyncio.sleep(30.0 + self.rng.uniform(0, 10.0))
+            try:
+                if await loop.run_in_executor(None, self.dht.get_config_json) is None:
+                    await loop.run_in_executor(None, self.dht.publish_config, text, 120.0)
+                    logger.info("the run config record was gone; re-published it")
+            except Exception as e:  # noqa: BLE001
+                logger.debug("config keeper: %s", e)
 
     def _inject_fault(self) -> None:
         mode = self.cfg.fail_mode
@@ -295,7 +389,7 @@ class Peer:
             os._exit(3)
 
     async def shutdown(self) -> None:
-        """Drain in-flight work, announce offline explicitly, stop everything."""
+        """Drain in-flight work, save a last checkpoint, announce offline explicitly, stop everything."""
         logger.info("shutting down")
         if self.serving is not None:
             self.serving.state = "draining"
@@ -304,17 +398,24 @@ class Peer:
         deadline = time.monotonic() + self.cfg.drain_timeout
         while self.serving is not None and self.serving.in_flight > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if getattr(self, "_step_task", None) is not None:
-            self._step_task.cancel()
+        for task in self._tasks:
+            task.cancel()
+        loop = asyncio.get_running_loop()
+        if self.checkpoints is not None and self.executor is not None and self._is_checkpoint_writer():
+            last = self.checkpoints.list()
+            if not last or last[-1].step < self.executor.step:
+                writer = self._write_checkpoint_async()
+                await loop.run_in_executor(None, writer.join, 60.0)
         if self.view is not None:
             await self.view.stop()
         if getattr(self, "server", None) is not None:
             await self.server.stop(grace=1.0)
-        loop = asyncio.get_running_loop()
         if self.announcer is not None:
             await loop.run_in_executor(None, lambda: self.announcer.stop(final=self._publish_offline))
         if self.executor is not None:
-            self.executor.stop()
+            self.executor.stop()  # after pending checkpoint snapshots ran (they are queued first)
+        if self.averager is not None:
+            self.averager.shutdown()
         await self.clients.close()
         if self.dht is not None:
             await loop.run_in_executor(None, self.dht.shutdown)

@@ -67,6 +67,8 @@ class ServingState:
             uptime_ms=int((time.monotonic() - self.started) * 1000),
             num_parameters=0 if ex is None else sum(p.numel() for p in ex.params),
             samples_processed=0 if ex is None else ex.samples_processed,
+            samples_discarded=0 if ex is None else ex.samples_discarded,
+            averaging_rounds=0 if ex is None else ex.averaging_rounds,
         )
 
 

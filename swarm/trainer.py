@@ -187,7 +187,8 @@ class Trainer:
         self.dataset = await loop.run_in_executor(None, load_dataset, data_cfg, run.model)
         self.sampler = iter(ShardSampler(self.dataset.num_train, cfg.trainer_index, self.num_trainers, data_cfg.seed))
         if cfg.sample_log:
-            self._sample_log = open(cfg.sample_log, "a")  # noqa: SIM115 - closed in close()
+            path = cfg.sample_log.replace("{trainer}", str(cfg.trainer_index))
+            self._sample_log = open(path, "a")  # noqa: SIM115 - closed in close()
         self.view = SwarmView(self.dht, run.num_stages, self.clients, info_period=0.1)
         self.view.start()
         self._replayer = asyncio.create_task(self._replay_loop())
@@ -413,7 +414,9 @@ class Trainer:
         if self._retry:
             return self._retry.popleft()
         g = global_step or 0
-        if self.next_tag < g:  # the swarm moved past steps this trainer did not feed: catch up
+        if self.next_tag < g or self.next_tag > g + self.staleness + 1:
+            # the swarm moved past steps this trainer did not feed, or a stage was restored from an
+            # older checkpoint: feed the step the slowest stage is at
             self.next_tag, self.tag_left = g, self.share
         if self.next_tag >= self.target or self.next_tag > g + self.staleness:
             return None

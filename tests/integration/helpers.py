@@ -64,3 +64,30 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(interval)
+
+
+def fetch_state(address: str, run_id: str, stage: int, timeout: float = 60.0) -> dict:
+    """A peer's full training state, over the wire contract's GetState."""
+    from swarm.state import download
+
+    async def go():
+        client = StageClient(address)
+        try:
+            return await download(client, run_id, stage, timeout, 1 << 30)
+        finally:
+            await client.close()
+
+    return asyncio.run(go())
+
+
+def write_tokens(path, n: int = 60_000, vocab: int = 256, seed: int = 0):
+    """A learnable token file: a noisy repeating pattern (uint16, nanoGPT style)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    pattern = rng.integers(0, vocab, size=97)
+    tokens = pattern[np.arange(n) % 97].copy()
+    noise = rng.random(n) < 0.1
+    tokens[noise] = rng.integers(0, vocab, size=int(noise.sum()))
+    tokens.astype(np.uint16).tofile(path)
+    return tokens.astype(np.int64)

@@ -1,0 +1,154 @@
+"""When and how the peers of a stage apply an update together.
+
+Trainers tag every microbatch with the step it is meant for and send exactly the global batch per
+step, so a stage's count for a step is exact: the update is applied when the stage-mates together
+hold the global batch ("full"). Then each peer freezes its accumulator, the stage averages the
+accumulators (hivemind all-reduce, weighted by samples), and every peer applies the same mean
+gradient with the same learning rate and clipping: the peers of a stage stay identical.
+
+Fallbacks keep the run going:
+- "behind": a mate already applied this update without this peer (it missed the averaging group,
+  or was paused): download the state from that mate, carry this peer's own gradient into the next
+  update (or drop it if it is more than one step stale), and go on;
+- "partial": the stage total is stuck below the global batch for `partial_step_timeout` seconds
+  (a trainer died mid-step): apply what the stage has;
+- alone in its stage, a peer applies its own mean gradient.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from swarm.averaging import AveragingFailed, StageAverager, local_mean
+from swarm.executor import Accumulated, StageExecutor
+from swarm.log import set_context
+
+logger = logging.getLogger(__name__)
+
+MAX_AVERAGING_ATTEMPTS = 5
+
+
+class StepCoordinator:
+    def __init__(
+        self,
+        executor: StageExecutor,
+        averager: StageAverager | None,
+        live_mates: Callable[[], list],
+        sync_from_mates: Callable[[], Awaitable[bool]],
+        global_batch: int,
+        partial_step_timeout: float,
+        after_update: Callable[[int], None] | None = None,
+    ) -> None:
+        self.executor = executor
+        self.averager = averager
+        self.live_mates = live_mates
+        self.sync_from_mates = sync_from_mates
+        self.global_batch = global_batch
+        self.partial_step_timeout = partial_step_timeout
+        self.after_update = after_update
+        self._last_total: tuple[int, int] = (-1, -1)
+        self._last_change = time.monotonic()
+
+    def decide(self) -> str | None:
+        """Why to step now ("full", "behind", "partial"), or None to keep accumulating."""
+        ex = self.executor
+        mates = self.live_mates()
+        acc_step = ex.step  # the next update to apply; mates report their samples for theirs
+        total = ex.samples_accumulated + sum(m.samples_accumulated for m in mates if m.step == acc_step)
+        if any(m.step > ex.step for m in mates):
+            return "behind"
+        if total >= self.global_batch:
+            return "full"
+        now = time.monotonic()
+        if (acc_step, total) != self._last_total:
+            self._last_total, self._last_change = (acc_step, total), now
+        elif total > 0 and now - self._last_change > self.partial_step_timeout:
+            logger.warning(
+                "stage holds %d of %d samples for step %d and none came for %.0f s: stepping with what it has",
+                total,
+                self.global_batch,
+                acc_step,
+                self.partial_step_timeout,
+            )
+            return "partial"
+        return None
+
+    async def run_update(self, reason: str) -> None:
+        ex = self.executor
+        if reason == "behind":
+            await self._catch_up(None)
+            return
+        frozen: Accumulated = await asyncio.wrap_future(ex.call(ex.take_accumulated))
+        loop = asyncio.get_running_loop()
+        attempts = 0
+        while True:
+            mates = [m for m in self.live_mates() if m.record_state == "online"]
+            if any(m.step > frozen.step for m in mates):
+                await self._catch_up(frozen)  # the mates averaged without this peer
+                return
+            if not mates or self.averager is None:
+                mean, samples, group = local_mean(frozen.grads, frozen.samples), frozen.samples, 1
+                break
+            try:
+                avg = await loop.run_in_executor(
+                    None, self.averager.average, frozen.grads, frozen.samples, frozen.step, len(mates) + 1
+                )
+            except AveragingFailed as e:
+                attempts += 1
+                if attempts >= MAX_AVERAGING_ATTEMPTS:
+                    logger.error("%s; %d attempts failed, applying this peer's own gradient", e, attempts)
+                    mean, samples, group = local_mean(frozen.grads, frozen.samples), frozen.samples, 1
+                    break
+                logger.warning("%s; retrying", e)
+                continue
+            mean, samples, group = avg.mean, avg.samples, avg.group_size
+            ex.averaging_rounds += 1
+            break
+        norm = await asyncio.wrap_future(ex.call(lambda: ex.apply_mean_gradient(mean, frozen.step)))
+        set_context(step=ex.step)
+        logger.info(
+            "applied update %d: %d samples (%d here) averaged over %d peer(s) (%s; grad norm %.3f)",
+            frozen.step,
+            samples,
+            frozen.samples,
+            group,
+            reason,
+            norm,
+        )
+        if self.after_update is not None:
+            self.after_update(ex.step)
+
+    async def _catch_up(self, frozen: Accumulated | None) -> None:
+        """Load the state of an up-to-date mate; keep this peer's gradient if it is one step stale."""
+        ex = self.executor
+        if frozen is None:
+            frozen = await asyncio.wrap_future(ex.call(ex.take_accumulated))
+        if not await self.sync_from_mates():
+            # nobody to copy from after all: apply what this peer has and go on
+            norm = await asyncio.wrap_future(
+                ex.call(lambda: ex.apply_mean_gradient(local_mean(frozen.grads, frozen.samples), frozen.step))
+            )
+            logger.warning("could not reach an up-to-date mate; applied own update %d (norm %.3f)", frozen.step, norm)
+            return
+
+        def carry_over() -> int:
+            if frozen.samples and ex.step - frozen.step <= 1:
+                ex.add_to_accumulator(frozen, ex.step)
+                return 0
+            ex.samples_discarded += frozen.samples
+            return frozen.samples
+
+        dropped = await asyncio.wrap_future(ex.call(carry_over))
+        set_context(step=ex.step)
+        if dropped:
+            logger.warning(
+                "dropped %d samples of step %d: the stage is %d steps ahead",
+                dropped,
+                frozen.step,
+                ex.step - frozen.step,
+            )
+        elif frozen.samples:
+            logger.info("carried %d samples of step %d into step %d", frozen.samples, frozen.step, ex.step)
