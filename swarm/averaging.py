@@ -50,8 +50,11 @@ class AveragingConfig:
     matchmaking_time: float = 0.5  # how long a group leader waits for followers
     request_timeout: float = 0.25
     step_timeout: float = 10.0  # to find a group
-    allreduce_timeout: float = 30.0  # once the group is formed
-    next_chunk_timeout: float = 5.0  # a silent member is excluded after this
+    allreduce_timeout: float = 60.0  # once the group is formed
+    # A member silent for this long is excluded and its part of the average is lost (hivemind then
+    # returns a partial average; the stage's fingerprint check repairs the divergence). Generous,
+    # because a loaded machine can pause a process for seconds.
+    next_chunk_timeout: float = 15.0
 
 
 @dataclass

@@ -112,6 +112,7 @@ class StageExecutor:
         self._recent_ids: collections.deque[set[str]] = collections.deque(maxlen=4)
         self.samples_discarded = 0
         self.averaging_rounds = 0
+        self.fingerprint = self.compute_fingerprint()  # (step, sum, sum of |p|), replaced whole
 
         self.samples_processed = 0
         self.compute_seconds = 0.0
@@ -377,7 +378,20 @@ class StageExecutor:
         self.accumulating_step = max(self.accumulating_step, self.step)
         if self._frozen is not None and self._frozen.step < self.step:
             self._frozen = None
+        self.fingerprint = self.compute_fingerprint()
         return norm
+
+    @torch.no_grad()
+    def compute_fingerprint(self) -> tuple[int, float, float]:
+        """(step, sum, sum of |p|) of all parameters in float64. Cheap, and any divergence between
+        stage-mates (a partial all-reduce, a missed update) moves it far beyond rounding noise.
+        Replaced as one tuple so that readers on other threads see a consistent (step, values)."""
+        total, absolute = 0.0, 0.0
+        for p in self.params:
+            flat = p.detach().reshape(-1)
+            total += float(flat.sum(dtype=torch.float64))
+            absolute += float(flat.abs().sum(dtype=torch.float64))
+        return self.step, total, absolute
 
     def local_step(self) -> tuple[int, float]:
         """Freeze and apply an update from this peer's own gradients (no averaging)."""
@@ -400,6 +414,7 @@ class StageExecutor:
         self.accumulating_step = self.step
         if self._frozen is not None and self._frozen.step < self.step:
             self._frozen = None
+        self.fingerprint = self.compute_fingerprint()
         # gradients computed for steps the loaded state has already applied are stale: drop them
         self._acc = {s: a for s, a in self._acc.items() if s >= self.step}
 

@@ -246,6 +246,7 @@ class Peer:
         self.stepper = StepCoordinator(
             self.executor,
             self.averager,
+            self.dht.peer_id,
             self.live_mates,
             self.sync_from_mates,
             run.global_batch,
@@ -255,6 +256,9 @@ class Peer:
         self.serving.throughput = await loop.run_in_executor(
             None, measure_throughput, self.executor, built.schema, run.model, run.microbatch, cfg.use_benchmark_cache
         )
+        await self.view.poll_info({stage})
+        if any(m.step > self.executor.step for m in self.live_mates()):
+            await self.sync_from_mates()  # the stage moved on while this peer was getting ready
         self.serving.state = "online"
         set_context(step=self.executor.step)
 
@@ -280,12 +284,15 @@ class Peer:
                 return
         logger.info("stage %d starts from its seeded initialization", self.stage)
 
-    async def sync_from_mates(self) -> bool:
-        """Download the state of the most advanced live mate (trying up to three); True on success."""
+    async def sync_from_mates(self, preferred=None) -> bool:
+        """Download the state of `preferred`, else of the most advanced live mate (trying up to three);
+        True on success."""
         run = self.run
         mates = sorted(
             (m for m in self.live_mates() if m.record_state in ("online", "draining")), key=lambda m: -m.step
         )
+        if preferred is not None:
+            mates = [preferred] + [m for m in mates if m.peer_id != preferred.peer_id]
         for mate in mates[:3]:
             started = time.monotonic()
             try:

@@ -53,6 +53,7 @@ class ServingState:
 
     def info(self) -> pb.InfoResponse:
         ex = self.executor
+        fp_step, fp_sum, fp_abs = (0, 0.0, 0.0) if ex is None else ex.fingerprint
         return pb.InfoResponse(
             peer_id=self.peer_id,
             run_id=self.run_id,
@@ -61,7 +62,7 @@ class ServingState:
             throughput=self.throughput,
             queue_length=0 if ex is None else ex.queue_length,
             version=self.version,
-            step=0 if ex is None else ex.step,
+            step=fp_step,
             samples_accumulated=0 if ex is None else ex.samples_accumulated,
             accumulating_step=0 if ex is None else ex.accumulating_step,
             uptime_ms=int((time.monotonic() - self.started) * 1000),
@@ -69,6 +70,8 @@ class ServingState:
             samples_processed=0 if ex is None else ex.samples_processed,
             samples_discarded=0 if ex is None else ex.samples_discarded,
             averaging_rounds=0 if ex is None else ex.averaging_rounds,
+            params_sum=fp_sum,
+            params_abs=fp_abs,
         )
 
 
@@ -204,7 +207,15 @@ class StageService:
 
     async def _stream(self, request_iterator, context, message_cls, handler) -> AsyncIterator[bytes]:
         async def run():
-            received = await messages.from_chunks_async(request_iterator, message_cls, self.limits.max_message_bytes)
+            try:
+                received = await messages.from_chunks_async(
+                    request_iterator, message_cls, self.limits.max_message_bytes
+                )
+            except WireError:
+                # Read what the client is still sending before answering: aborting mid-stream races
+                # the client's writes and can turn the clear status into a generic INTERNAL error.
+                await _drain(request_iterator, self.limits.max_message_bytes)
+                raise
             return await handler(received)
 
         response = await self._guarded(context, run)
@@ -246,6 +257,20 @@ class StageService:
                 "GetState": grpc.unary_stream_rpc_method_handler(self.get_state),
             },
         )
+
+
+async def _drain(request_iterator, max_bytes: int, timeout: float = 5.0) -> None:
+    async def consume() -> None:
+        seen = 0
+        async for raw in request_iterator:
+            seen += len(raw)
+            if seen > max_bytes:
+                return
+
+    try:
+        await asyncio.wait_for(consume(), timeout)
+    except Exception:  # noqa: BLE001 - best effort: the error status goes out either way
+        pass
 
 
 async def start_server(service: StageService, host: str, port: int, limits: Limits) -> tuple[grpc.aio.Server, int]:

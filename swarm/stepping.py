@@ -29,6 +29,13 @@ from swarm.log import set_context
 logger = logging.getLogger(__name__)
 
 MAX_AVERAGING_ATTEMPTS = 5
+FINGERPRINT_TOLERANCE = 1e-9  # relative; rounding noise is orders of magnitude smaller, divergence larger
+
+
+def fingerprints_agree(a: tuple[float, float], b: tuple[float, float], tol: float = FINGERPRINT_TOLERANCE) -> bool:
+    """Compare (sum, sum of |p|) parameter fingerprints of two peers at the same step."""
+    scale = max(abs(a[1]), abs(b[1]), 1e-30)
+    return abs(a[0] - b[0]) <= tol * scale and abs(a[1] - b[1]) <= tol * scale
 
 
 class StepCoordinator:
@@ -36,15 +43,18 @@ class StepCoordinator:
         self,
         executor: StageExecutor,
         averager: StageAverager | None,
+        peer_id: str,
         live_mates: Callable[[], list],
-        sync_from_mates: Callable[[], Awaitable[bool]],
+        sync_from_mates: Callable[..., Awaitable[bool]],
         global_batch: int,
         partial_step_timeout: float,
         after_update: Callable[[int], None] | None = None,
     ) -> None:
         self.executor = executor
         self.averager = averager
+        self.peer_id = peer_id
         self.live_mates = live_mates
+        self.resyncs = 0
         self.sync_from_mates = sync_from_mates
         self.global_batch = global_batch
         self.partial_step_timeout = partial_step_timeout
@@ -52,14 +62,27 @@ class StepCoordinator:
         self._last_total: tuple[int, int] = (-1, -1)
         self._last_change = time.monotonic()
 
+    def diverged_from(self):
+        """The stage's reference peer (smallest id at this step) if this peer's parameters differ."""
+        step, total, absolute = self.executor.fingerprint
+        same = [m for m in self.live_mates() if m.record_state == "online" and m.step == step and m.last_info_ok]
+        if not same:
+            return None
+        reference = min(same, key=lambda m: m.peer_id)
+        if reference.peer_id > self.peer_id or fingerprints_agree((total, absolute), reference.fingerprint):
+            return None
+        return reference
+
     def decide(self) -> str | None:
-        """Why to step now ("full", "behind", "partial"), or None to keep accumulating."""
+        """Why to act now ("behind", "diverged", "full", "partial"), or None to keep accumulating."""
         ex = self.executor
         mates = self.live_mates()
         acc_step = ex.step  # the next update to apply; mates report their samples for theirs
         total = ex.samples_accumulated + sum(m.samples_accumulated for m in mates if m.step == acc_step)
         if any(m.step > ex.step for m in mates):
             return "behind"
+        if self.diverged_from() is not None:
+            return "diverged"
         if total >= self.global_batch:
             return "full"
         now = time.monotonic()
@@ -80,6 +103,15 @@ class StepCoordinator:
         ex = self.executor
         if reason == "behind":
             await self._catch_up(None)
+            return
+        if reason == "diverged":
+            reference = self.diverged_from()
+            if reference is not None:
+                logger.warning(
+                    "parameters at step %d differ from %s's: downloading its state", ex.step, reference.peer_id[-6:]
+                )
+                if await self.sync_from_mates(reference):
+                    self.resyncs += 1
             return
         frozen: Accumulated = await asyncio.wrap_future(ex.call(ex.take_accumulated))
         loop = asyncio.get_running_loop()

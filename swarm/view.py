@@ -33,6 +33,7 @@ class PeerStatus:
     last_info_ok: float = 0.0
     first_seen: float = field(default_factory=time.monotonic)
     info_failures: int = 0
+    fingerprint: tuple[float, float] = (0.0, 0.0)
 
     @property
     def peer_id(self) -> str:
@@ -99,7 +100,8 @@ class SwarmView:
             return False
         if status.last_info_ok:
             return now - status.last_info_ok < self.dead_after
-        return now - status.first_seen < self.dead_after + self.info_timeout
+        # never reached yet: optimistic until the first poll fails
+        return status.info_failures == 0 and now - status.first_seen < self.dead_after + self.info_timeout
 
     def stage_peers(self, stage: int, live_only: bool = True) -> list[PeerStatus]:
         now = time.monotonic()
@@ -185,6 +187,7 @@ class SwarmView:
         status.step = int(info.step)
         status.accumulating_step = int(info.accumulating_step)
         status.samples_accumulated = int(info.samples_accumulated)
+        status.fingerprint = (info.params_sum, info.params_abs)
         status.load.reported_queue = float(info.queue_length)
         # Info is fresher than the DHT record; a peer that moved waits for its new record.
         status.record_state = info.state if info.stage == status.stage else "offline"

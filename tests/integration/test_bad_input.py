@@ -21,12 +21,14 @@ def tensor(t: torch.Tensor, codec_id=pb.CODEC_NONE) -> pb.Tensor:
 @pytest.fixture(scope="module")
 def two_stage_swarm(tmp_path_factory):
     from swarm.local import LocalOptions, LocalSwarm
-
     from tests.integration.helpers import assert_all_reaped
 
     swarm = LocalSwarm(
         LocalOptions(
-            stages=2, stage_layout=[1, 1], run_args=run_args(), peer_args=["--max-message-mb", "1"],
+            stages=2,
+            stage_layout=[1, 1],
+            run_args=run_args(),
+            peer_args=["--max-message-mb", "1"],
             log_dir=str(tmp_path_factory.mktemp("bad-input")),
         )
     )
@@ -75,7 +77,12 @@ def cases(run_id: str):
     nan[0, 0, 0] = float("nan")
     targets = tensor(torch.randint(0, 256, (2, T)))
     yield "wrong shape", fwd(run_id, 1, tensor(torch.randn(2, T, D + 1)), targets=targets), "INVALID_ARGUMENT", "shape"
-    yield "wrong dtype", fwd(run_id, 1, tensor(torch.randint(0, 5, (2, T, D))), targets=targets), "INVALID_ARGUMENT", "dtype"
+    yield (
+        "wrong dtype",
+        fwd(run_id, 1, tensor(torch.randint(0, 5, (2, T, D))), targets=targets),
+        "INVALID_ARGUMENT",
+        "dtype",
+    )
     yield "NaN input", fwd(run_id, 1, tensor(nan), targets=targets), "INVALID_ARGUMENT", "NaN"
     yield "truncated buffer", fwd(run_id, 1, truncated, targets=targets), "INVALID_ARGUMENT", "buffer holds"
     yield "unknown codec", fwd(run_id, 1, unknown_codec, targets=targets), "INVALID_ARGUMENT", "unknown codec"
@@ -83,7 +90,12 @@ def cases(run_id: str):
     yield "no input", fwd(run_id, 1, None, targets=targets), "INVALID_ARGUMENT", "no input"
     yield "no targets on last stage", fwd(run_id, 1, tensor(good_hidden)), "INVALID_ARGUMENT", "targets"
     yield "token id out of range", fwd(run_id, 0, tensor(torch.full((2, T), 999))), "INVALID_ARGUMENT", "outside"
-    yield "too long sequence", fwd(run_id, 0, tensor(torch.zeros(2, T + 1, dtype=torch.long))), "INVALID_ARGUMENT", "dim 1"
+    yield (
+        "too long sequence",
+        fwd(run_id, 0, tensor(torch.zeros(2, T + 1, dtype=torch.long))),
+        "INVALID_ARGUMENT",
+        "dim 1",
+    )
     yield "wrong run", fwd("other-run", 1, tensor(good_hidden), targets=targets), "FAILED_PRECONDITION", "run id"
     yield "wrong stage", fwd(run_id, 0, tensor(good_hidden)), "FAILED_PRECONDITION", "stage"
     big = fwd(run_id, 1, tensor(torch.randn(8, T, D * 40)), targets=targets)
@@ -114,7 +126,11 @@ def test_bad_backward_and_stream_requests(two_stage_swarm):
     tokens = tensor(torch.randint(0, 256, (2, T)))
     grad_nan = torch.randn(2, T, D)
     grad_nan[1, 2, 3] = float("inf")
-    for grad, needle in ((grad_nan, "NaN or infinity"), (torch.randn(3, T, D), "batch"), (torch.randn(2, T, D + 2), "shape")):
+    for grad, needle in (
+        (grad_nan, "NaN or infinity"),
+        (torch.randn(3, T, D), "batch"),
+        (torch.randn(2, T, D + 2), "shape"),
+    ):
         req = pb.BackwardRequest(request_id="b", run_id=swarm.run_id, stage=0, num_samples=2)
         req.input.CopyFrom(tokens)
         req.grad_output.CopyFrom(tensor(grad))
@@ -129,11 +145,13 @@ def test_bad_backward_and_stream_requests(two_stage_swarm):
     code, details = call(addr0, "BackwardStream", chunks[:-1], stream=True)
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "ended after" in details
     code, details = call(addr0, "BackwardStream", chunks[1:], stream=True)
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and "header" in details
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "header" in details, (code, details)
     header = pb.BackwardRequest()
     header.ParseFromString(pb.Chunk.FromString(chunks[0]).header)
     header.grad_output.data_size = 1 << 40
-    code, details = call(addr0, "BackwardStream", [pb.Chunk(header=header.SerializeToString()).SerializeToString()], stream=True)
+    code, details = call(
+        addr0, "BackwardStream", [pb.Chunk(header=header.SerializeToString()).SerializeToString()], stream=True
+    )
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
     # the whole stream, valid, works
     code, details = call(addr0, "BackwardStream", chunks, stream=True)

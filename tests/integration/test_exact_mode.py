@@ -52,10 +52,30 @@ def oracle(tokens: torch.Tensor, batches: dict[int, list[int]]) -> dict[str, tor
 def test_exact_mode_equals_single_process_training(make_swarm, tmp_path):
     tokens = torch.from_numpy(write_tokens(tmp_path / "train.bin"))
     run = [
-        "--model", json.dumps(TINY_GPT), "--dataset", "tokens", "--data-path", str(tmp_path / "train.bin"),
-        "--codec", "none", "--sync", "exact", "--global-batch", str(B), "--microbatch", str(MB), "--lr", str(LR),
-        "--warmup-steps", str(WARMUP), "--total-steps", str(STEPS), "--clip-norm", str(CLIP),
-        "--weight-decay", str(WD),
+        "--model",
+        json.dumps(TINY_GPT),
+        "--dataset",
+        "tokens",
+        "--data-path",
+        str(tmp_path / "train.bin"),
+        "--codec",
+        "none",
+        "--sync",
+        "exact",
+        "--global-batch",
+        str(B),
+        "--microbatch",
+        str(MB),
+        "--lr",
+        str(LR),
+        "--warmup-steps",
+        str(WARMUP),
+        "--total-steps",
+        str(STEPS),
+        "--clip-norm",
+        str(CLIP),
+        "--weight-decay",
+        str(WD),
     ]
     log = str(tmp_path / "samples-{trainer}.jsonl")
     swarm = make_swarm(stages=3, peers_per_stage=2, trainers=2, steps=STEPS, run_args=run)
