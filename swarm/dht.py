@@ -109,8 +109,10 @@ class SwarmDHT:
         announce_host: str | None = None,
         start_timeout: float = 60.0,
         client_mode: bool = False,
+        timeout: float = 15.0,
     ) -> None:
         self.run_id = run_id
+        self.timeout = timeout
         self.signer = RSASignatureValidator()
         self.owner = self.signer.local_public_key
         validators = [SchemaValidator(SwarmSchema, allow_extra_keys=True, prefix=run_id), self.signer]
@@ -126,6 +128,15 @@ class SwarmDHT:
             start=False,
         )
         self.dht.run_in_background(await_ready=True, timeout=start_timeout)
+
+    # ---- deadline-bound primitives: every DHT wait ends ----
+
+    def _get(self, key: str):
+        return self.dht.get(key, latest=True, return_future=True).result(timeout=self.timeout)
+
+    def _store(self, key: str, subkey: bytes, value, expiration_time: float) -> bool:
+        future = self.dht.store(key, subkey=subkey, value=value, expiration_time=expiration_time, return_future=True)
+        return bool(future.result(timeout=self.timeout))
 
     # ---- keys ----
 
@@ -149,17 +160,10 @@ class SwarmDHT:
     # ---- stage records ----
 
     def announce_peer(self, stage: int, record: PeerRecord, ttl: float) -> bool:
-        return bool(
-            self.dht.store(
-                self.stage_key(stage),
-                subkey=self.owner,
-                value=record.dict(),
-                expiration_time=get_dht_time() + ttl,
-            )
-        )
+        return self._store(self.stage_key(stage), self.owner, record.dict(), get_dht_time() + ttl)
 
     def get_stage(self, stage: int, latest: bool = True) -> list[PeerEntry]:
-        found = self.dht.get(self.stage_key(stage), latest=latest)
+        found = self._get(self.stage_key(stage))
         entries: list[PeerEntry] = []
         if found is None or not isinstance(found.value, dict):
             return entries
@@ -174,7 +178,7 @@ class SwarmDHT:
         futures = {k: self.dht.get(self.stage_key(k), latest=True, return_future=True) for k in range(num_stages)}
         out: dict[int, list[PeerEntry]] = {}
         for k, fut in futures.items():
-            found = fut.result()
+            found = fut.result(timeout=self.timeout)
             out[k] = []
             if found is None or not isinstance(found.value, dict):
                 continue
@@ -188,14 +192,10 @@ class SwarmDHT:
     # ---- run config ----
 
     def publish_config(self, config_json: str, ttl: float) -> bool:
-        return bool(
-            self.dht.store(
-                self.key("config"), subkey=self.owner, value=config_json, expiration_time=get_dht_time() + ttl
-            )
-        )
+        return self._store(self.key("config"), self.owner, config_json, get_dht_time() + ttl)
 
     def get_config_json(self) -> str | None:
-        found = self.dht.get(self.key("config"), latest=True)
+        found = self._get(self.key("config"))
         if found is None or not isinstance(found.value, dict) or not found.value:
             return None
         items = sorted(found.value.items(), key=lambda kv: -kv[1].expiration_time)
@@ -207,14 +207,10 @@ class SwarmDHT:
 
     def publish_events(self, events: list[str], ttl: float) -> bool:
         record = EventRecord(events=events[-16:])
-        return bool(
-            self.dht.store(
-                self.key("events"), subkey=self.owner, value=record.dict(), expiration_time=get_dht_time() + ttl
-            )
-        )
+        return self._store(self.key("events"), self.owner, record.dict(), get_dht_time() + ttl)
 
     def get_events(self) -> list[str]:
-        found = self.dht.get(self.key("events"), latest=True)
+        found = self._get(self.key("events"))
         if found is None or not isinstance(found.value, dict):
             return []
         events: list[str] = []

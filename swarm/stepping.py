@@ -55,6 +55,7 @@ class StepCoordinator:
         self.peer_id = peer_id
         self.live_mates = live_mates
         self.resyncs = 0
+        self.last_averaging_s = 0.0
         self.sync_from_mates = sync_from_mates
         self.global_batch = global_batch
         self.partial_step_timeout = partial_step_timeout
@@ -138,15 +139,17 @@ class StepCoordinator:
                 continue
             mean, samples, group = avg.mean, avg.samples, avg.group_size
             ex.averaging_rounds += 1
+            self.last_averaging_s = avg.seconds
             break
         norm = await asyncio.wrap_future(ex.call(lambda: ex.apply_mean_gradient(mean, frozen.step)))
         set_context(step=ex.step)
         logger.info(
-            "applied update %d: %d samples (%d here) averaged over %d peer(s) (%s; grad norm %.3f)",
+            "applied update %d: %d samples (%d here) averaged over %d peer(s) in %.2f s (%s; grad norm %.3f)",
             frozen.step,
             samples,
             frozen.samples,
             group,
+            self.last_averaging_s if group > 1 else 0.0,
             reason,
             norm,
         )

@@ -91,6 +91,7 @@ class SwarmView:
         self._tasks: list[asyncio.Task] = []
         self.dht_ok = False
         self.offline_seen: set[str] = set()
+        self._dht_call: asyncio.Future | None = None
 
     # ---- queries ----
 
@@ -164,7 +165,10 @@ class SwarmView:
 
     async def refresh_dht(self) -> None:
         loop = asyncio.get_running_loop()
-        records = await loop.run_in_executor(None, self.dht.get_all_stages, self.num_stages)
+        # shielded: a cancelled refresh still finishes its (deadline-bound) DHT call before the DHT
+        # can be shut down, so no thread is left waiting on a dead DHT process
+        self._dht_call = loop.run_in_executor(None, self.dht.get_all_stages, self.num_stages)
+        records = await asyncio.shield(self._dht_call)
         self.apply_records(records)
         self.dht_ok = True
         self.changed.set()
@@ -225,6 +229,11 @@ class SwarmView:
             try:
                 await task
             except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                pass
+        if self._dht_call is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(self._dht_call), self.dht.timeout + 1)
+            except Exception:  # noqa: BLE001
                 pass
 
     async def wait_changed(self, timeout: float) -> None:
