@@ -29,6 +29,7 @@ from swarm.executor import StageExecutor
 from swarm.log import set_context
 from swarm.models import build_stage
 from swarm.procs import READY_PREFIX
+from swarm.rebalance import join_stage
 from swarm.server import Limits, ServingState, StageService, start_server
 from swarm.state import CheckpointStore, StateError, checkpoint_meta, download, serialize, stamp, state_chunks, validate
 from swarm.stepping import StepCoordinator
@@ -100,12 +101,6 @@ def fetch_run_config(dht: SwarmDHT, timeout: float) -> RunConfig:
             )
         time.sleep(delay)
         delay = min(2.0, delay * 1.5)
-
-
-def choose_stage_by_throughput(totals: dict[int, float], rng: random.Random) -> int:
-    """The stage with the least total throughput; ties broken at random."""
-    least = min(totals.values())
-    return rng.choice([k for k, v in totals.items() if v <= least * (1 + 1e-9)])
 
 
 class Peer:
@@ -215,11 +210,11 @@ class Peer:
         loop = asyncio.get_running_loop()
         await asyncio.sleep(self.rng.uniform(0, 0.5))  # de-synchronize peers started together
         records = await loop.run_in_executor(None, self.dht.get_all_stages, run.num_stages)
-        totals = {
-            k: sum(e.record.throughput for e in v if e.record.state in ("online", "joining"))
-            for k, v in records.items()
-        }
-        return choose_stage_by_throughput(totals, self.rng)
+        totals = [
+            sum(e.record.throughput for e in records[k] if e.record.state in ("online", "joining"))
+            for k in range(run.num_stages)
+        ]
+        return join_stage(totals, self.rng)
 
     async def enter_stage(self, stage: int) -> None:
         """Build the stage, get its current state, measure throughput; the peer is then ready to serve."""

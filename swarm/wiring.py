@@ -74,13 +74,19 @@ class Wiring:
         exclude: frozenset[str] | set[str] = frozenset(),
     ) -> PeerLoad | None:
         """The eligible peer with the lowest expected finish time, ties broken at random."""
-        candidates = self.eligible(peers, now, exclude)
-        if not candidates:
+        best: list[PeerLoad] = []
+        best_finish = float("inf")
+        for p in peers:  # one pass: this runs for every hop of every microbatch (and in the simulator)
+            if not p.online or p.banned_until > now or p.peer_id in exclude:
+                continue
+            finish = p.expected_finish(task_samples)
+            if finish < best_finish * (1 - self.tie_tolerance) - 1e-12:
+                best, best_finish = [p], finish
+            elif finish <= best_finish * (1 + self.tie_tolerance) + 1e-12:
+                best.append(p)
+        if not best:
             return None
-        finish = [p.expected_finish(task_samples) for p in candidates]
-        best = min(finish)
-        ties = [p for p, f in zip(candidates, finish, strict=True) if f <= best * (1 + self.tie_tolerance) + 1e-12]
-        chosen = ties[0] if len(ties) == 1 else self.rng.choice(ties)
+        chosen = best[0] if len(best) == 1 else self.rng.choice(best)
         chosen.assigned += 1
         return chosen
 

@@ -1,0 +1,121 @@
+"""Adaptive rebalancing: which single peer, if any, should move to which stage.
+
+Pure logic, no I/O: the peers and the simulator (swarm.sim) both call `plan_move`.
+
+Objective: the swarm's throughput is the minimum over stages of the sum of their peers' throughput.
+Ties on the minimum are broken by the next-smallest stage and so on (lexicographic max-min), so that
+from a layout like 3,1,1 of equal peers a peer still moves to make it 2,2,1: the same pipeline speed,
+and a stage that survives the loss of one peer.
+
+A move is planned only if it improves that objective by more than `threshold` (relative) at the first
+stage total it changes. Each planned move strictly improves a finite order, so moves cannot cycle
+(no ping-pong), and a stage is never emptied. Every peer computes the same plan from the same view;
+only the peer named in the plan moves, so one peer moves per round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    peer_id: str
+    stage: int
+    throughput: float  # samples/s on its current stage
+
+
+@dataclass(frozen=True)
+class Move:
+    peer_id: str
+    src: int
+    dst: int
+    before: float  # swarm throughput (min over stages) before the move
+    after: float  # ... and after
+    reason: str
+
+
+def stage_totals(peers: list[PeerInfo], num_stages: int) -> list[float]:
+    totals = [0.0] * num_stages
+    for p in peers:
+        totals[p.stage] += p.throughput
+    return totals
+
+
+def stage_cost_ratio(peers: list[PeerInfo], src: int, dst: int) -> float:
+    """How much faster a peer is expected to run stage `dst` than stage `src`: the ratio of the mean
+    throughput of the two stages' peers (stages cost different amounts of compute)."""
+    src_thr = [p.throughput for p in peers if p.stage == src]
+    dst_thr = [p.throughput for p in peers if p.stage == dst]
+    if not src_thr or not dst_thr:
+        return 1.0
+    return (sum(dst_thr) / len(dst_thr)) / max(1e-9, sum(src_thr) / len(src_thr))
+
+
+def better(after: list[float], before: list[float], threshold: float) -> bool:
+    """Lexicographic max-min: compare sorted stage totals; the first difference decides, and must
+    exceed `threshold` relative to the old value."""
+    for a, b in zip(sorted(after), sorted(before), strict=True):
+        if abs(a - b) <= threshold * max(abs(b), 1e-9):
+            continue
+        return a > b
+    return False
+
+
+def plan_move(
+    peers: list[PeerInfo], num_stages: int, threshold: float = 0.1, movable: Mapping[str, bool] | None = None
+) -> Move | None:
+    """The single move that most improves the swarm's throughput, or None.
+
+    `movable` (peer_id -> bool) excludes peers that may not move now (cooling down after a move,
+    just joined); they still count in their stage.
+    """
+    if not peers:
+        return None
+    totals = stage_totals(peers, num_stages)
+    counts = [0] * num_stages
+    for p in peers:
+        counts[p.stage] += 1
+    best: tuple[list[float], PeerInfo, int, float] | None = None
+    for p in sorted(peers, key=lambda q: q.peer_id):
+        if movable is not None and not movable.get(p.peer_id, True):
+            continue
+        if counts[p.stage] <= 1:
+            continue  # never empty a stage
+        for dst in range(num_stages):
+            if dst == p.stage:
+                continue
+            gain = p.throughput * stage_cost_ratio(peers, p.stage, dst)
+            after = list(totals)
+            after[p.stage] -= p.throughput
+            after[dst] += gain
+            if not better(after, totals, threshold):
+                continue
+            if best is None or better(after, best[0], 0.0):
+                best = (after, p, dst, gain)
+    if best is None:
+        return None
+    after, p, dst, _ = best
+    reason = f"stage {dst} is the bottleneck ({totals[dst]:.1f} samples/s)"
+    if totals[dst] > min(totals):
+        reason = f"stage {dst} is among the slowest ({totals[dst]:.1f} samples/s)"
+    return Move(p.peer_id, p.stage, dst, min(totals), min(after), reason)
+
+
+def join_stage(totals: list[float], rng) -> int:
+    """Where a new peer adds the most: a stage with the smallest total throughput (random on ties,
+    so that peers joining together spread)."""
+    least = min(totals)
+    return rng.choice([k for k, v in enumerate(totals) if v <= least * (1 + 1e-9) + 1e-12])
+
+
+def best_assignment_throughput(throughputs: list[float], num_stages: int) -> float:
+    """The swarm throughput of a good assignment of these peers (equal stage costs): greedy
+    longest-processing-time first, optimal for equal peers and within 4/3 of optimal otherwise."""
+    if len(throughputs) < num_stages:
+        return 0.0
+    totals = [0.0] * num_stages
+    for t in sorted(throughputs, reverse=True):
+        totals[totals.index(min(totals))] += t
+    return min(totals)
