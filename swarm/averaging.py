@@ -1,9 +1,22 @@
-"""Gradient averaging among the peers of one stage, with hivemind's DecentralizedAverager.
+"""Gradient averaging among the peers of one stage, with hivemind's all-reduce.
 
-Each peer puts the mean gradient of its own samples into the averager and calls a step weighted by
-its number of samples; the all-reduce leaves every member with the sample-weighted mean, i.e. the
-mean gradient over all the stage's samples: exactly what one process would compute on the whole
-global batch. A peer with no samples joins with weight 0 and receives the others' mean.
+Each peer puts the mean gradient of its own samples into its averager and joins an all-reduce
+weighted by its number of samples; every member ends with the sample-weighted mean, i.e. the mean
+gradient over all the stage's samples: what one process computes on the whole global batch. A peer
+with no samples joins with weight 0 and receives the others' mean.
+
+The all-reduce is hivemind's (`AllReduceRunner`: butterfly all-reduce over libp2p, in the process of a
+`DecentralizedAverager`). Its group, however, is not found by hivemind's matchmaking: the peers of a
+stage already know each other (the stage's DHT records and their gRPC Info polls), so every peer
+derives the same group for update t from the same facts: its live stage-mates, sorted by id, and a
+group id hashed from (run, stage, step, attempt, members). That makes a round cost one all-reduce
+instead of a matchmaking protocol (DHT declarations, leader election, join requests), and avoids the
+race we saw in hivemind 1.1.12's matchmaking on a loaded machine: two peers each asking the other
+to lead, both timing out, one of them having counted the other in -- an all-reduce that then waits
+for a member who left and returns a silently partial average.
+
+A round is accepted only if it was complete: every part from every member reduced and returned.
+Anything less raises AveragingFailed and the caller retries with a fresh view.
 
 One averager per peer process (one hivemind identity per process); it is rebuilt when the peer
 moves to another stage, since the averaged tensors have that stage's shapes.
@@ -11,12 +24,22 @@ moves to another stage, since the averaged tensors have that stage's shapes.
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import logging
 import time
 from dataclasses import dataclass
+from typing import AsyncIterator  # noqa: UP035 - hivemind detects streams by typing's generic name
 
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AllReduceRunner
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.load_balancing import load_balance_peers
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils import MPFuture
+from hivemind.utils.asyncio import achain, as_aiter, azip, enter_asynchronously
 
 from swarm.dht import die_with_parent
 
@@ -27,95 +50,154 @@ class AveragingFailed(RuntimeError):
     pass
 
 
+def _standard_event_loop() -> asyncio.AbstractEventLoop:
+    asyncio.set_event_loop_policy(asyncio.DefaultEventLoopPolicy())
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    return loop
+
+
 class _StageAverager(DecentralizedAverager):
-    """DecentralizedAverager that dies with its peer and whose group size can follow the stage."""
+    """DecentralizedAverager that dies with its peer and runs all-reduce rounds in given groups."""
+
+    group_wait_s: float = 3.0  # how long a member's request waits for us to open the same round
 
     def run(self) -> None:
         die_with_parent()  # a SIGKILLed peer must not leave its averager serving
+        # hivemind runs its averager on uvloop; with uvloop 0.2x its p2pd stream server
+        # intermittently fails incoming streams ("cannot reuse already awaited coroutine" in
+        # client_connected_cb), which drops a member's parts from an all-reduce. The standard
+        # asyncio loop does not (in this process only).
+        import hivemind.averaging.averager as averager_module
+
+        averager_module.switch_to_uvloop = _standard_event_loop
         super().run()
 
-    async def _set_target_group_size(self, size: int) -> None:
-        # Runs in the averager's process (dispatched through its pipe like hivemind's own methods).
-        # A target equal to the number of live stage peers lets the group start the moment it is
-        # full instead of waiting out the whole matchmaking window.
-        self._matchmaking.target_group_size = size
-        self._matchmaking.potential_leaders.target_group_size = size
+    async def _fixed_group_round(self, group_id: bytes, members: list[bytes], weight: float, future: MPFuture) -> None:
+        """Runs in the averager's process (dispatched through its pipe like hivemind's own methods)."""
+        try:
+            ordered = tuple(PeerID(m) for m in members)
+            info = GroupInfo(group_id, ordered, tuple(b"" for _ in ordered))
+            kwargs = dict(self.allreduce_kwargs)
+            min_vector_size = kwargs.pop("min_vector_size", 0)
+            fractions = load_balance_peers(self.total_size, [1.0] * len(ordered), min_vector_size)
+            with self._register_allreduce_group(info):
+                async with enter_asynchronously(self.get_tensors()) as tensors:
+                    runner = AllReduceRunner(
+                        p2p=self._p2p,
+                        servicer_type=type(self),
+                        prefix=self.prefix,
+                        tensors=tensors,
+                        group_id=group_id,
+                        ordered_peer_ids=ordered,
+                        peer_fractions=fractions,
+                        weight=weight,
+                        **kwargs,
+                    )
+                    self._running_groups[group_id].set_result(runner)
 
-    def set_target_group_size(self, size: int) -> None:
-        self._outer_pipe.send(("_set_target_group_size", [], dict(size=size)))
+                    async def apply_updates() -> None:
+                        async for tensor, update in azip(as_aiter(*tensors), runner):
+                            tensor.add_(update)
+
+                    await asyncio.wait_for(apply_updates(), timeout=self._allreduce_timeout)
+                    reducer = runner.tensor_part_reducer
+                    complete = (
+                        runner.tensor_part_container.failed_size == 0
+                        and not runner.banned_senders
+                        and sum(reducer.num_parts_received) == reducer.num_parts * reducer.num_senders
+                    )
+            future.set_result(complete)
+        except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
+            if not future.done():
+                future.set_exception(e)
+
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """A member sends us its part: wait (briefly) for this peer to open the same round, which it
+        may do a moment later than the sender, then let the round's runner reduce it."""
+        request = await anext(stream)
+        deadline = asyncio.get_running_loop().time() + self.group_wait_s
+        while request.group_id not in self._running_groups and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.005)
+        future = self._running_groups.get(request.group_id)
+        if future is None:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+            return
+        group = await future
+        async for message in group.rpc_aggregate_part(achain(as_aiter(request), stream), context):
+            yield message
+
+    def fixed_group_round(self, group_id: bytes, members: list[bytes], weight: float, timeout: float) -> bool:
+        future = MPFuture()
+        self._outer_pipe.send(
+            ("_fixed_group_round", [], dict(group_id=group_id, members=members, weight=weight, future=future))
+        )
+        return future.result(timeout=timeout)
 
 
 @dataclass(frozen=True)
 class AveragingConfig:
-    matchmaking_time: float = 0.5  # how long a group leader waits for followers
-    request_timeout: float = 0.25
-    step_timeout: float = 10.0  # to find a group
-    allreduce_timeout: float = 60.0  # once the group is formed
-    # A member silent for this long is excluded and its part of the average is lost (hivemind then
-    # returns a partial average; the stage's fingerprint check repairs the divergence). Generous,
-    # because a loaded machine can pause a process for seconds.
-    next_chunk_timeout: float = 15.0
+    allreduce_timeout: float = 30.0  # a whole round, at most
+    # A member silent for this long is excluded; the round then is incomplete and is retried.
+    next_chunk_timeout: float = 5.0
 
 
 @dataclass
 class AveragedGradient:
     mean: list[torch.Tensor]
-    samples: int  # samples the group's gradient covers
     group_size: int
     seconds: float
+
+
+def round_id(prefix: str, step: int, members: list[str]) -> bytes:
+    """The same id on every member that sees the same group for the same update (no attempt
+    counter: peers that retry at different moments must still meet)."""
+    return hashlib.sha256(f"{prefix}|{step}|{','.join(members)}".encode()).digest()[:20]
 
 
 class StageAverager:
     def __init__(self, dht, run_id: str, stage: int, params: list[torch.Tensor], cfg: AveragingConfig) -> None:
         self.cfg = cfg
         self.prefix = f"{run_id}_stage{stage}_grads"
-        self._target = 0
+        self.peer_id = str(dht.peer_id)
         self.averager = _StageAverager(
             [torch.zeros_like(p, device="cpu") for p in params],
             dht,
             prefix=self.prefix,
             start=True,
-            target_group_size=None,
-            min_group_size=2,
-            min_matchmaking_time=cfg.matchmaking_time,
-            request_timeout=cfg.request_timeout,
             allreduce_timeout=cfg.allreduce_timeout,
             next_chunk_timeout=cfg.next_chunk_timeout,
             allow_state_sharing=False,  # state travels over our gRPC GetState, not hivemind's RPC
         )
 
-    def average(self, grads_sum: list[torch.Tensor], samples: int, step: int, group_size: int) -> AveragedGradient:
-        """All-reduce this peer's gradient (the gradient of the summed loss over `samples`) with its
-        stage-mates'. Blocking; raises AveragingFailed when no consistent group forms in time."""
+    def average(self, grads_sum: list[torch.Tensor], samples: int, step: int, mates: list[str]) -> AveragedGradient:
+        """All-reduce this peer's gradient (the gradient of the summed loss over `samples`) with the
+        given stage-mates' (their peer ids). Blocking; raises AveragingFailed unless the round was
+        complete."""
         start = time.monotonic()
-        if group_size != self._target:
-            self.averager.set_target_group_size(group_size)
-            self._target = group_size
+        members = sorted({self.peer_id, *mates})
         with self.averager.get_tensors() as tensors:
             for buf, g in zip(tensors, grads_sum, strict=True):
                 buf.copy_(g.detach().cpu()).div_(max(1, samples))
+        group_id = round_id(self.prefix, step, members)
         try:
-            gathered = self.averager.step(
-                gather={"step": int(step), "samples": int(samples)},
-                weight=float(samples),
-                timeout=self.cfg.step_timeout,
-                allow_retries=True,
+            complete = self.averager.fixed_group_round(
+                group_id,
+                [PeerID.from_base58(m).to_bytes() for m in members],
+                float(samples),
+                timeout=self.cfg.allreduce_timeout + 5.0,
             )
         except Exception as e:  # noqa: BLE001 - hivemind raises several kinds; all mean "no average"
             raise AveragingFailed(f"averaging for step {step} failed: {e!r}") from None
-        if not gathered:
-            raise AveragingFailed(f"averaging for step {step} found no group")
-        steps = {int(g["step"]) for g in gathered.values()}
-        if steps != {step}:
-            raise AveragingFailed(f"averaging group mixed steps {sorted(steps)} (this peer: {step})")
-        total = sum(int(g["samples"]) for g in gathered.values())
-        if total <= 0:
-            raise AveragingFailed(f"averaging group for step {step} holds no samples")
+        if not complete:
+            raise AveragingFailed(f"averaging for step {step} was incomplete (a member did not take part)")
         with self.averager.get_tensors() as tensors:
             mean = [t.detach().clone() for t in tensors]
         if not all(torch.isfinite(t).all() for t in mean):
-            raise AveragingFailed(f"averaged gradient for step {step} is not finite")
-        return AveragedGradient(mean, total, len(gathered), time.monotonic() - start)
+            raise AveragingFailed(f"averaged gradient for step {step} is not finite (no member had samples?)")
+        return AveragedGradient(mean, len(members), time.monotonic() - start)
 
     def shutdown(self) -> None:
         try:

@@ -167,8 +167,14 @@ def add_peer_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-message-mb", type=int, default=256, help="largest request accepted, in MiB")
     p.add_argument("--checkpoint-dir", help="write (one peer per stage) and restore checkpoints of stages here")
     p.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
-    p.add_argument("--matchmaking-time", type=float, default=0.5, help="seconds a stage's averaging group forms in")
+    p.add_argument(
+        "--averaging-timeout", type=float, default=30.0, help="longest a stage's gradient all-reduce may take"
+    )
     p.add_argument("--no-benchmark-cache", action="store_true", help="re-measure throughput instead of using the cache")
+    p.add_argument("--no-rebalance", action="store_true", help="never move to another stage")
+    p.add_argument("--rebalance-period", type=float, default=15.0, help="seconds between rebalancing checks (+-30%%)")
+    p.add_argument("--rebalance-threshold", type=float, default=0.1, help="relative gain a move must bring")
+    p.add_argument("--move-cooldown", type=float, default=60.0, help="seconds after joining/moving before moving")
     p.add_argument("--fail-at-step", type=int, help="fault injection for tests: fail when the stage reaches this step")
     p.add_argument("--fail-mode", default="kill", choices=["kill", "stop", "exit"], help="how --fail-at-step fails")
 
@@ -227,11 +233,13 @@ def cmd_peer(args: argparse.Namespace) -> int:
             record_ttl=args.record_ttl,
             use_benchmark_cache=not args.no_benchmark_cache,
             max_message_mb=args.max_message_mb,
+            rebalance=not args.no_rebalance,
+            rebalance_period=args.rebalance_period,
+            rebalance_threshold=args.rebalance_threshold,
+            move_cooldown=args.move_cooldown,
             checkpoint_dir=args.checkpoint_dir,
             checkpoint_every=args.checkpoint_every,
-            averaging=AveragingConfig(
-                matchmaking_time=args.matchmaking_time, request_timeout=args.matchmaking_time / 2
-            ),
+            averaging=AveragingConfig(allreduce_timeout=args.averaging_timeout),
             fail_at_step=args.fail_at_step,
             fail_mode=args.fail_mode,
         )
@@ -310,6 +318,18 @@ def cmd_local(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    from swarm.status import collect_status, print_status
+
+    setup_logging("status", args.log_level or "WARNING")
+    status = asyncio.run(collect_status(args.run_id, args.initial_peers))
+    if args.json:
+        print(json.dumps(status))
+    else:
+        print_status(status)
+    return 0
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from swarm.export import export
 
@@ -367,6 +387,12 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--trainer-arg", action="append", help="extra argument for every trainer (repeatable)")
     add_run_args(p)
     p.set_defaults(func=cmd_local)
+
+    p = sub.add_parser("status", help="the swarm now: stages, peers, throughput, bottleneck, recent events")
+    p.add_argument("--run-id", required=True)
+    p.add_argument("--initial-peers", nargs="+", required=True, metavar="MULTIADDR")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("export", help="merge stage checkpoints into one state_dict of the unsplit model")
     p.add_argument("--checkpoint-dir", required=True, help="the peers' --checkpoint-dir")

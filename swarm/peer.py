@@ -9,6 +9,7 @@ only then does it announce itself online.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import os
@@ -28,6 +29,7 @@ from swarm.dht import Announcer, PeerRecord, SwarmDHT
 from swarm.executor import StageExecutor
 from swarm.log import set_context
 from swarm.models import build_stage
+from swarm.placement import PlacementLoop
 from swarm.procs import READY_PREFIX
 from swarm.rebalance import join_stage
 from swarm.server import Limits, ServingState, StageService, start_server
@@ -67,6 +69,11 @@ class PeerConfig:
     averaging: AveragingConfig = field(default_factory=AveragingConfig)
     fail_at_step: int | None = None  # fault injection: act at this step (torchft-style hook)
     fail_mode: str = "kill"  # kill (SIGKILL self), stop (SIGSTOP self), exit (os._exit(3))
+    rebalance: bool = True
+    rebalance_period: float = 15.0  # seconds between checks, with +-30% jitter
+    rebalance_threshold: float = 0.1  # relative improvement a move must bring
+    move_cooldown: float = 60.0  # seconds after joining or moving before this peer moves (again)
+    events_ttl: float = 600.0
 
     def __post_init__(self) -> None:
         if self.stage != "auto" and not str(self.stage).isdigit():
@@ -123,6 +130,9 @@ class Peer:
         self.stage = -1
         self._tasks: list[asyncio.Task] = []
         self._checkpoint_lock = threading.Lock()
+        self.stage_lock = asyncio.Lock()  # held by each update, and by a move for its whole length
+        self.events: collections.deque[str] = collections.deque(maxlen=16)
+        self.last_placement = time.monotonic()  # when this peer last joined or moved
 
     # ---- records ----
 
@@ -145,6 +155,10 @@ class Peer:
 
     def _publish_offline(self) -> None:
         self.dht.announce_peer(self.stage, self.record("offline"), self.cfg.record_ttl)
+
+    async def _refresh_view(self) -> None:
+        await self.view.refresh_dht()
+        await self.view.poll_info({self.stage})
 
     def live_mates(self) -> list:
         return [] if self.view is None else self.view.stage_peers(self.stage)
@@ -181,6 +195,9 @@ class Peer:
         self.announcer = Announcer(self._publish, cfg.announce_period, cfg.record_ttl, name="peer-announcer").start()
         self.view.start(poll_stages={self.stage})
         self._tasks = [asyncio.create_task(self._step_loop()), asyncio.create_task(self._config_keeper())]
+        if cfg.rebalance:
+            self._tasks.append(asyncio.create_task(PlacementLoop(self).run()))
+        self.event("join", stage=self.stage, step=self.executor.step, throughput=round(self.serving.throughput, 2))
         ready = {
             "role": "peer",
             "peer_id": self.dht.peer_id,
@@ -247,6 +264,7 @@ class Peer:
             run.global_batch,
             cfg.partial_step_timeout,
             after_update=self._after_update,
+            refresh_view=self._refresh_view,
         )
         self.serving.throughput = await loop.run_in_executor(
             None, measure_throughput, self.executor, built.schema, run.model, run.microbatch, cfg.use_benchmark_cache
@@ -358,11 +376,73 @@ class Peer:
             if executor.throughput_ema:
                 self.serving.throughput = 0.8 * self.serving.throughput + 0.2 * executor.throughput_ema
             try:
-                reason = self.stepper.decide()
-                if reason is not None:
-                    await self.stepper.run_update(reason)
+                async with self.stage_lock:
+                    reason = self.stepper.decide()
+                    if reason is not None:
+                        await self.stepper.run_update(reason)
             except Exception:  # noqa: BLE001 - a failed update must not kill the peer
                 logger.exception("update failed")
+
+    # ---- moving between stages ----
+
+    def event(self, kind: str, **fields) -> None:
+        """Log an event and publish this peer's recent events on the DHT (for status and dashboards)."""
+        record = {"time": round(time.time(), 3), "event": kind, "peer": self.dht.peer_id[-12:], **fields}
+        text = json.dumps(record, separators=(",", ":"))[:400]
+        self.events.append(text)
+        logger.info("event %s", text)
+        events, ttl = list(self.events), self.cfg.events_ttl
+        threading.Thread(target=self._publish_events, args=(events, ttl), daemon=True).start()
+
+    def _publish_events(self, events: list[str], ttl: float) -> None:
+        try:
+            self.dht.publish_events(events, ttl)
+        except Exception as e:  # noqa: BLE001 - events are best effort
+            logger.debug("publishing events failed: %s", e)
+
+    async def leave_stage(self) -> None:
+        """Stop serving the current stage: drain, let pending gradients go out, free its resources."""
+        loop = asyncio.get_running_loop()
+        old = self.stage
+        self.serving.state = "draining"
+        await loop.run_in_executor(None, self.dht.announce_peer, old, self.record("draining"), self.cfg.record_ttl)
+        deadline = time.monotonic() + self.cfg.drain_timeout
+        while self.serving.in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        # gradients this peer holds but has not applied go back to the trainers, which replay them on
+        # a stage-mate once this peer's record says offline
+        await loop.run_in_executor(None, self.dht.announce_peer, old, self.record("offline"), self.cfg.record_ttl)
+        self.executor.stop()
+        if self.averager is not None:
+            averager, self.averager = self.averager, None
+            await loop.run_in_executor(None, averager.shutdown)
+
+    async def move_to(self, dst: int, reason: str, before: float, after: float) -> None:
+        """Drain, load the new stage's state, announce it: the peer serves `dst`."""
+        started = time.monotonic()
+        src = self.stage
+        logger.info("moving from stage %d to stage %d: %s", src, dst, reason)
+        async with self.stage_lock:
+            loop = asyncio.get_running_loop()
+            # count at the destination at once, so that other peers plan with this move in mind
+            await loop.run_in_executor(None, self.dht.announce_peer, dst, self.record("joining"), self.cfg.record_ttl)
+            await self.leave_stage()
+            self.view.poll_stages = {dst}
+            await self.enter_stage(dst)
+            self.announcer.refresh_now()
+        self.last_placement = time.monotonic()
+        seconds = time.monotonic() - started
+        self.event(
+            "move",
+            src=src,
+            dst=dst,
+            reason=reason,
+            before=round(before, 2),
+            after=round(after, 2),
+            seconds=round(seconds, 2),
+            step=self.executor.step,
+        )
+        logger.info("moved from stage %d to stage %d in %.2f s", src, dst, seconds)
 
     async def _config_keeper(self) -> None:
         """Re-publish the run config if its record disappears (the coordinator died): new peers can
@@ -393,6 +473,9 @@ class Peer:
     async def shutdown(self) -> None:
         """Drain in-flight work, save a last checkpoint, announce offline explicitly, stop everything."""
         logger.info("shutting down")
+        if self.dht is not None and self.executor is not None:
+            self.events.append(json.dumps({"time": round(time.time(), 3), "event": "leave", "stage": self.stage}))
+            await asyncio.get_running_loop().run_in_executor(None, self._publish_events, list(self.events), 600.0)
         if self.serving is not None:
             self.serving.state = "draining"
         if self.announcer is not None:

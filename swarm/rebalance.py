@@ -43,33 +43,36 @@ def stage_totals(peers: list[PeerInfo], num_stages: int) -> list[float]:
     return totals
 
 
-def stage_cost_ratio(peers: list[PeerInfo], src: int, dst: int) -> float:
-    """How much faster a peer is expected to run stage `dst` than stage `src`: the ratio of the mean
-    throughput of the two stages' peers (stages cost different amounts of compute)."""
-    src_thr = [p.throughput for p in peers if p.stage == src]
-    dst_thr = [p.throughput for p in peers if p.stage == dst]
-    if not src_thr or not dst_thr:
-        return 1.0
-    return (sum(dst_thr) / len(dst_thr)) / max(1e-9, sum(src_thr) / len(src_thr))
-
-
 def better(after: list[float], before: list[float], threshold: float) -> bool:
-    """Lexicographic max-min: compare sorted stage totals; the first difference decides, and must
-    exceed `threshold` relative to the old value."""
+    """Lexicographic max-min: compare the sorted stage totals; the first one that differs decides,
+    and it must have grown by more than `threshold` (relative). This is a strict order (equality is
+    exact up to float noise), so a sequence of moves can never come back to an earlier layout."""
     for a, b in zip(sorted(after), sorted(before), strict=True):
-        if abs(a - b) <= threshold * max(abs(b), 1e-9):
+        if abs(a - b) <= 1e-9 * max(abs(a), abs(b), 1e-12):
             continue
-        return a > b
+        return a > b * (1.0 + threshold)
     return False
 
 
+def moved_throughput(throughput: float, src: int, dst: int, stage_costs: list[float] | None) -> float:
+    """A peer's expected throughput on stage `dst` given its measured one on `src`."""
+    if stage_costs is None:
+        return throughput
+    return throughput * stage_costs[src] / max(1e-12, stage_costs[dst])
+
+
 def plan_move(
-    peers: list[PeerInfo], num_stages: int, threshold: float = 0.1, movable: Mapping[str, bool] | None = None
+    peers: list[PeerInfo],
+    num_stages: int,
+    threshold: float = 0.1,
+    movable: Mapping[str, bool] | None = None,
+    stage_costs: list[float] | None = None,
 ) -> Move | None:
     """The single move that most improves the swarm's throughput, or None.
 
     `movable` (peer_id -> bool) excludes peers that may not move now (cooling down after a move,
-    just joined); they still count in their stage.
+    just joined); they still count in their stage. `stage_costs` are the stages' relative compute
+    per sample (from the model; equal if None): a peer twice as fast on a stage half as costly.
     """
     if not peers:
         return None
@@ -86,7 +89,7 @@ def plan_move(
         for dst in range(num_stages):
             if dst == p.stage:
                 continue
-            gain = p.throughput * stage_cost_ratio(peers, p.stage, dst)
+            gain = moved_throughput(p.throughput, p.stage, dst, stage_costs)
             after = list(totals)
             after[p.stage] -= p.throughput
             after[dst] += gain

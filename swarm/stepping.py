@@ -49,6 +49,7 @@ class StepCoordinator:
         global_batch: int,
         partial_step_timeout: float,
         after_update: Callable[[int], None] | None = None,
+        refresh_view: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.executor = executor
         self.averager = averager
@@ -60,6 +61,7 @@ class StepCoordinator:
         self.global_batch = global_batch
         self.partial_step_timeout = partial_step_timeout
         self.after_update = after_update
+        self.refresh_view = refresh_view
         self._last_total: tuple[int, int] = (-1, -1)
         self._last_change = time.monotonic()
 
@@ -118,35 +120,41 @@ class StepCoordinator:
         loop = asyncio.get_running_loop()
         attempts = 0
         while True:
-            mates = [m for m in self.live_mates() if m.record_state == "online"]
+            mates = [m for m in self.live_mates() if m.record_state in ("online", "draining")]
             if any(m.step > frozen.step for m in mates):
                 await self._catch_up(frozen)  # the mates averaged without this peer
                 return
             if not mates or self.averager is None:
-                mean, samples, group = local_mean(frozen.grads, frozen.samples), frozen.samples, 1
+                mean, group = local_mean(frozen.grads, frozen.samples), 1
                 break
             try:
                 avg = await loop.run_in_executor(
-                    None, self.averager.average, frozen.grads, frozen.samples, frozen.step, len(mates) + 1
+                    None,
+                    self.averager.average,
+                    frozen.grads,
+                    frozen.samples,
+                    frozen.step,
+                    [m.peer_id for m in mates],
                 )
             except AveragingFailed as e:
                 attempts += 1
                 if attempts >= MAX_AVERAGING_ATTEMPTS:
                     logger.error("%s; %d attempts failed, applying this peer's own gradient", e, attempts)
-                    mean, samples, group = local_mean(frozen.grads, frozen.samples), frozen.samples, 1
+                    mean, group = local_mean(frozen.grads, frozen.samples), 1
                     break
                 logger.warning("%s; retrying", e)
+                if self.refresh_view is not None:
+                    await self.refresh_view()  # the members may have disagreed on who is in the stage
                 continue
-            mean, samples, group = avg.mean, avg.samples, avg.group_size
+            mean, group = avg.mean, avg.group_size
             ex.averaging_rounds += 1
             self.last_averaging_s = avg.seconds
             break
         norm = await asyncio.wrap_future(ex.call(lambda: ex.apply_mean_gradient(mean, frozen.step)))
         set_context(step=ex.step)
         logger.info(
-            "applied update %d: %d samples (%d here) averaged over %d peer(s) in %.2f s (%s; grad norm %.3f)",
+            "applied update %d: %d samples here, averaged over %d peer(s) in %.2f s (%s; grad norm %.3f)",
             frozen.step,
-            samples,
             frozen.samples,
             group,
             self.last_averaging_s if group > 1 else 0.0,

@@ -262,6 +262,7 @@ class Trainer:
             wait_deadline = None
             timeout = self.cfg.min_deadline + self.cfg.deadline_factor * peer.expected_finish(samples)
             client = self.clients.get(peer.address)
+            alone = peer.in_flight == 0  # only then does the call's time measure the peer, not our queue
             peer.in_flight += samples
             started = time.monotonic()
             try:
@@ -303,8 +304,13 @@ class Trainer:
                 peer.in_flight -= samples
             self.wiring.on_success(peer)
             elapsed = time.monotonic() - started
-            if elapsed > 0:
-                rate = samples / elapsed
+            if alone and elapsed > 0:
+                # end-to-end throughput, network included; with the peer's own figure the wiring uses
+                # the slower of the two (a fast GPU behind a slow link is a slow peer)
+                # a forward call is about a third of a training round's work, a backward two thirds
+                # (the last stage's backward runs the whole round); peers report whole rounds
+                share = 1.0 / 3.0 if kind == "forward" else (1.0 if stage == self.run.num_stages - 1 else 2.0 / 3.0)
+                rate = samples * share / elapsed
                 peer.e2e_throughput = rate if peer.e2e_throughput is None else 0.8 * peer.e2e_throughput + 0.2 * rate
             return received, peer
 

@@ -92,6 +92,7 @@ class SwarmView:
         self.dht_ok = False
         self.offline_seen: set[str] = set()
         self._dht_call: asyncio.Future | None = None
+        self.poll_stages: set[int] | None = None
 
     # ---- queries ----
 
@@ -214,13 +215,16 @@ class SwarmView:
                 logger.warning("DHT refresh failed: %s", e)
             await asyncio.sleep(self.dht_period)
 
-    async def _info_loop(self, stages: set[int] | None) -> None:
+    async def _info_loop(self) -> None:
         while True:
-            await self.poll_info(stages)
+            await self.poll_info(self.poll_stages)
             await asyncio.sleep(self.info_period)
 
     def start(self, poll_stages: set[int] | None = None) -> None:
-        self._tasks = [asyncio.create_task(self._dht_loop()), asyncio.create_task(self._info_loop(poll_stages))]
+        """Refresh the DHT records of all stages; poll Info of the peers of `poll_stages` (all if None;
+        a peer that moves changes `poll_stages`)."""
+        self.poll_stages = poll_stages
+        self._tasks = [asyncio.create_task(self._dht_loop()), asyncio.create_task(self._info_loop())]
 
     async def stop(self) -> None:
         for task in self._tasks:

@@ -167,6 +167,33 @@ def _meta_copy(module: nn.Module) -> nn.Module:
     return clone.to("meta")
 
 
+def stage_costs(spec: dict, num_stages: int) -> list[float] | None:
+    """Relative compute per sample of each stage (forward FLOPs estimate), for rebalancing: a peer
+    moving to a stage twice as costly delivers half the samples/s. None when unknown (custom)."""
+    kind = spec.get("kind")
+    if kind == "gpt":
+        from swarm.models.gpt import split_layers
+
+        cfg = _config_from(GPTConfig, spec)
+        d, t = cfg.d_model, cfg.seq_len
+        block = t * (8 * d * d + 4 * d * cfg.d_ff + 4 * t * d)  # qkv+proj, mlp, attention scores/values
+        head = t * 2 * d * cfg.vocab_size
+        ranges = split_layers(cfg.n_layers, num_stages, spec.get("layer_split"))
+        costs = [(hi - lo) * block for lo, hi in ranges]
+        costs[-1] += head
+        return [max(c, 1.0) for c in costs]
+    if kind == "mlp":
+        from swarm.models.gpt import split_layers
+
+        cfg = _config_from(MLPConfig, spec)
+        costs = []
+        for lo, hi in split_layers(cfg.n_layers, num_stages):
+            costs.append(sum((cfg.in_dim if i == 0 else cfg.hidden) * cfg.hidden for i in range(lo, hi)))
+        costs[-1] += cfg.hidden * cfg.n_classes
+        return [max(float(c), 1.0) for c in costs]
+    return None
+
+
 def build_full_model(spec: dict) -> nn.Module:
     """The unsplit model (for export and for checking against single-process training)."""
     kind = spec.get("kind")

@@ -33,31 +33,27 @@ def progress_watcher(swarm):
 
 @pytest.mark.timeout(300)
 def test_joining_peer_downloads_state_and_matches_its_mates(make_swarm):
-    steps = 100
-    swarm = make_swarm(
-        stages=2,
-        stage_layout=[2, 1],
-        steps=steps,
-        run_args=run_args(codec="none"),
-        trainer_args=["--max-in-flight", "2"],
-    )
+    swarm = make_swarm(stages=2, stage_layout=[2, 1], steps=100_000, run_args=run_args(codec="none"))
     swarm.start()
     on_line, wait_step = progress_watcher(swarm)
     swarm.start_trainers(on_line=on_line)
     wait_step(6, timeout=120)
     newcomer = swarm.start_peer(0)
     assert newcomer.ready["step"] >= 6, "the newcomer must start from the stage's current step, not 0"
-    assert newcomer.ready["step"] < steps - 5, "the newcomer must join while training goes on"
-    [summary] = swarm.wait_trainers(timeout=240)
-    assert summary["steps"] >= steps
+    wait_step(newcomer.ready["step"] + 5, timeout=120)  # training goes on with the newcomer in the stage
+    for trainer in swarm.trainers:
+        trainer.stop()
     assert "downloaded stage 0 state" in newcomer.log_tail(200)
     assert info(newcomer.ready["address"]).averaging_rounds >= 1  # it then stepped with its mates
     stage0 = [p for p in swarm.peers if p.ready["stage"] == 0]
+    wait_for(lambda: len({info(p.ready["address"]).step for p in stage0}) == 1, 30, "the stage's peers to settle")
     states = [fetch_state(p.ready["address"], swarm.run_id, 0) for p in stage0]
     assert len({s["step"] for s in states}) == 1
+    # equal up to float rounding: hivemind hands each member (average - own input), which each adds
+    # back to its own input; a missed or partial update would differ by ~lr, i.e. 1e-3
     for name, ref in states[0]["model"].items():
         for other in states[1:]:
-            assert torch.allclose(other["model"][name], ref, rtol=0, atol=1e-7), name
+            assert torch.allclose(other["model"][name], ref, rtol=1e-5, atol=1e-7), name
 
 
 @pytest.mark.timeout(400)

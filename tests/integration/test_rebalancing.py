@@ -1,0 +1,119 @@
+"""Adaptive rebalancing on real processes: peers move to where the swarm needs them."""
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from swarm.rebalance import best_assignment_throughput
+from tests.integration.helpers import run_args, wait_for
+
+FAST_REBALANCE = ["--rebalance-period", "3", "--move-cooldown", "6"]
+
+
+def status(swarm) -> dict:
+    argv = [
+        sys.executable,
+        "-m",
+        "swarm.cli",
+        "status",
+        "--run-id",
+        swarm.run_id,
+        "--initial-peers",
+        *swarm.initial_peers,
+        "--json",
+    ]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def layout(st: dict) -> list[int]:
+    return [sum(p["state"] == "online" for p in stage["peers"]) for stage in st["stages"]]
+
+
+def status_when(swarm, predicate):
+    """A wait_for condition: the status, if it satisfies `predicate`."""
+
+    def check():
+        st = status(swarm)
+        return st if predicate(st) else None
+
+    return check
+
+
+class Progress:
+    def __init__(self) -> None:
+        self.steps: list[tuple[float, int]] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, proc, line, payload) -> None:
+        if payload and payload.get("event") == "progress":
+            with self.lock:
+                self.steps.append((time.monotonic(), payload["step"]))
+
+    def latest(self) -> int:
+        with self.lock:
+            return self.steps[-1][1] if self.steps else 0
+
+
+@pytest.mark.timeout(420)
+def test_peers_move_off_a_crowded_stage_and_recover_after_a_kill(make_swarm):
+    swarm = make_swarm(
+        stages=3,
+        stage_layout=[3, 1, 1],
+        steps=100_000,
+        run_args=run_args(),
+        peer_args=FAST_REBALANCE,
+        trainer_args=["--max-in-flight", "4"],
+    )
+    swarm.start()
+    progress = Progress()
+    swarm.start_trainers(on_line=progress)
+    wait_for(lambda: progress.latest() >= 2, 120, "training to start")
+    t0 = time.monotonic()
+    st = wait_for(status_when(swarm, lambda s: max(layout(s)) <= 2 and min(layout(s)) >= 1), 60, "a move off stage 0")
+    print("moved within", round(time.monotonic() - t0, 1), "s; layout", layout(st))
+    moves = [e for e in st["events"] if e["event"] == "move"]
+    assert moves and moves[0]["src"] == 0
+    assert all(m["seconds"] < 10 for m in moves), moves
+    step_before_kill = progress.latest()
+    # SIGKILL one peer of a stage that holds 2
+    crowded = next(stage for stage in st["stages"] if layout({"stages": [stage]})[0] == 2)
+    victim_id = crowded["peers"][0]["id"]
+    victim = next(p for p in swarm.peers if p.ready["peer_id"] == victim_id)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(timeout=10)
+
+    def recovered():
+        s = status(swarm)
+        counts = layout(s)
+        if sum(counts) != 4 or min(counts) < 1:
+            return None
+        throughputs = [p["throughput"] for stage in s["stages"] for p in stage["peers"] if p["state"] == "online"]
+        achieved = min(stage["throughput"] for stage in s["stages"])
+        return s if achieved >= 0.75 * best_assignment_throughput(throughputs, 3) else None
+
+    st = wait_for(recovered, 60, "the 4 remaining peers to form a near-best assignment")
+    print("after the kill: layout", layout(st))
+    wait_for(lambda: progress.latest() >= step_before_kill + 5, 120, "training to go on after the kill")
+    with progress.lock:
+        steps = [s for _, s in progress.steps]
+    assert steps == sorted(steps), "the global step never goes back"
+    for trainer in swarm.trainers:
+        assert trainer.alive()
+
+
+@pytest.mark.timeout(300)
+def test_auto_placed_peers_spread_over_the_stages(make_swarm):
+    swarm = make_swarm(stages=3, run_args=run_args(), peer_args=FAST_REBALANCE)
+    swarm.start_coordinator()
+    peers = [swarm.start_peer("auto", wait=False) for _ in range(6)]
+    for p in peers:
+        p.wait_ready(120)
+    st = wait_for(status_when(swarm, lambda s: layout(s) == [2, 2, 2]), 60, "an even spread 2,2,2")
+    assert layout(st) == [2, 2, 2]
