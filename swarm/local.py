@@ -38,6 +38,7 @@ class LocalOptions:
     peer_args: list[str] = field(default_factory=list)
     trainer_args: list[str] = field(default_factory=list)
     python: str = sys.executable
+    env: dict[str, str] = field(default_factory=dict)  # extra environment for every process
 
     def layout(self) -> list[int]:
         layout = self.stage_layout or [self.peers_per_stage] * self.stages
@@ -102,7 +103,7 @@ class LocalSwarm:
 
     def _env(self) -> dict[str, str]:
         threads = str(self.opts.threads)
-        return {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+        return {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, **self.opts.env}
 
     def _spawn(self, name: str, argv: list[str], on_line=None) -> ManagedProcess:
         proc = ManagedProcess(name, argv, self.log_dir / f"{name}.log", env=self._env(), on_line=on_line)

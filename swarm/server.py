@@ -20,9 +20,10 @@ from swarm.executor import NonFiniteError, StageExecutor
 from swarm.models import StageSchema
 from swarm.wire import codec, messages
 from swarm.wire.codec import MessageTooLarge, WireError
-from swarm.wire.messages import Received
 from swarm.wire.options import MiB, channel_options
 from swarm.wire.protocol import pb
+from swarm.wire.stream import PARTS_KEY, RESPONSE_KEY
+from swarm.wire.tensors import split_samples
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,23 @@ class RequestError(Exception):
         self.code = code
 
 
+_HANDLED = (WireError, RequestError, NonFiniteError, ValueError, IndexError, TypeError, RuntimeError)
+
+
+def _status_of(e: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status a request error maps to."""
+    if isinstance(e, RequestError):
+        return e.code, e.args[0]
+    if isinstance(e, MessageTooLarge):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
+    if isinstance(e, (WireError, NonFiniteError)):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(e)
+    if isinstance(e, RuntimeError) and "shutting down" in str(e):
+        return grpc.StatusCode.UNAVAILABLE, str(e)
+    # torch raises RuntimeError on shape mismatches: the request's fault
+    return grpc.StatusCode.INVALID_ARGUMENT, f"{type(e).__name__}: {e}"
+
+
 class StageService:
     def __init__(self, serving: ServingState, limits: Limits) -> None:
         self.serving = serving
@@ -102,89 +120,210 @@ class StageService:
             )
         return s.executor, s.schema
 
-    def _tensors(self, received: Received, schema: StageSchema, with_grad: bool):
-        lim = self.limits
-        x = received.tensor("input", lim.max_numel)
-        if x is None:
-            raise WireError("request has no input tensor")
-        schema.input.check(x, "input", lim.max_batch)
-        targets = None
-        if schema.is_last:
-            targets = received.tensor("targets", lim.max_numel)
-            if targets is None:
-                raise WireError("the last stage needs targets")
-            schema.targets.check(targets, "targets", lim.max_batch)
-            if targets.shape[0] != x.shape[0]:
-                raise WireError(f"targets batch {targets.shape[0]} differs from input batch {x.shape[0]}")
-        grad = None
-        if with_grad and not schema.is_last:
-            grad = received.tensor("grad_output", lim.max_numel)
-            if grad is None:
-                raise WireError("backward on a non-last stage needs grad_output")
-            if not grad.dtype.is_floating_point:
-                raise WireError(f"grad_output must be a float tensor, got {grad.dtype}")
-            if grad.shape[0] != x.shape[0]:
-                raise WireError(f"grad_output batch {grad.shape[0]} differs from input batch {x.shape[0]}")
-            if not torch.isfinite(grad).all():
-                raise WireError("grad_output contains NaN or infinity")
-            grad = grad.float()
-        return x, targets, grad
+    def _targets(self, msg, schema: StageSchema, batch: int) -> torch.Tensor | None:
+        if not schema.is_last:
+            return None
+        if not msg.HasField("targets"):
+            raise WireError("the last stage needs targets")
+        targets = codec.decode(msg.targets, self.limits.max_numel)
+        schema.targets.check(targets, "targets", self.limits.max_batch)
+        if targets.shape[0] != batch:
+            raise WireError(f"targets batch {targets.shape[0]} differs from input batch {batch}")
+        return targets
 
-    # ---- handlers (shared by unary and streamed forms) ----
+    def _check_header(self, header: pb.Tensor, what: str, schema: StageSchema) -> int:
+        """Check a streamed tensor's header against the stage's schema before any part arrives."""
+        if header.dtype not in codec.DTYPES or header.codec not in codec.CODEC_LABELS:
+            raise WireError(f"{what}: unknown dtype {header.dtype!r} or codec {header.codec}")
+        shape = tuple(int(d) for d in header.shape)
+        if not shape or not 1 <= shape[0] <= self.limits.max_batch:
+            raise WireError(f"{what} has shape {list(shape)}: batch must be in 1..{self.limits.max_batch}")
+        if what == "input":
+            schema.input.check(torch.zeros((1, *shape[1:]), dtype=codec.DTYPES[header.dtype]), what, 1)
+        return shape[0]
+
+    def _grad(self, grad: torch.Tensor | None, batch: int) -> torch.Tensor:
+        if grad is None:
+            raise WireError("backward on a non-last stage needs grad_output")
+        if not grad.dtype.is_floating_point:
+            raise WireError(f"grad_output must be a float tensor, got {grad.dtype}")
+        if grad.shape[0] != batch:
+            raise WireError(f"grad_output batch {grad.shape[0]} differs from input batch {batch}")
+        if not torch.isfinite(grad).all():
+            raise WireError("grad_output contains NaN or infinity")
+        return grad.float()
+
+    # ---- computing: a request is one part (unary) or several (streamed) ----
+
+    async def _compute(self, kind: str, msg, executor: StageExecutor, schema: StageSchema, targets, parts, acc: dict):
+        """Run each (samples, input, grad_output) part as it comes; yield the encoded output parts.
+        Per-request figures (loss, compute time, accumulated step) are collected in `acc`."""
+        if msg.reply_codec not in codec.CODEC_LABELS:
+            raise WireError(f"unknown reply codec {msg.reply_codec}")
+        offset, index = 0, 0
+        async for n, x, grad in parts:
+            schema.input.check(x, "input", self.limits.max_batch)
+            t = None if targets is None else targets[offset : offset + n]
+            if kind == "forward":
+                result = await asyncio.wrap_future(executor.forward(x, t, validation=msg.validation))
+                out = result.output
+            else:
+                grad = None if schema.is_last else self._grad(grad, n)
+                rid = f"{msg.request_id}#{index}" if acc["streamed"] else msg.request_id
+                result = await asyncio.wrap_future(executor.backward(x, grad, t, rid, int(msg.step)))
+                out = result.grad_input
+                acc["accumulated_step"] = max(acc.get("accumulated_step", 0), result.accumulated_step)
+                acc["duplicate"] = acc.get("duplicate", True) and result.duplicate
+            if result.loss is not None:
+                acc["loss_sum"] = acc.get("loss_sum", 0.0) + float(result.loss.double().sum())
+            acc["samples"] = acc.get("samples", 0) + n
+            acc["compute_s"] = acc.get("compute_s", 0.0) + result.compute_s
+            if out is not None:
+                acc["out_shape"] = (acc.get("out_shape", (0,))[0] + out.shape[0], *out.shape[1:])
+                counts = split_samples(n, out[0].numel() * out.element_size()) if acc["streamed"] else [n]
+                start = 0
+                for c in counts:
+                    acc.setdefault("out_counts", []).append(c)
+                    yield codec.encode(out[start : start + c], msg.reply_codec)
+                    start += c
+            offset += n
+            index += 1
+
+    def _response(self, kind: str, msg, executor: StageExecutor, acc: dict, first):
+        cls = pb.ForwardResponse if kind == "forward" else pb.BackwardResponse
+        response = cls(request_id=msg.request_id, peer_step=executor.step, compute_s=acc.get("compute_s", 0.0))
+        if "loss_sum" in acc:
+            response.loss = acc["loss_sum"] / max(1, acc["samples"])
+        if kind == "backward":
+            response.accumulated_step = acc.get("accumulated_step", 0)
+            response.duplicate = acc.get("duplicate", False)
+        if first is not None:
+            field = response.output if kind == "forward" else response.grad_input
+            field.dtype, field.codec, field.block_size = first.dtype, first.codec, first.block_size
+            field.shape[:] = acc["out_shape"]
+            if not acc["streamed"]:
+                field.data, field.scales = first.data, first.scales
+        return response
 
     async def _guarded(self, context: grpc.aio.ServicerContext, coro_fn):
         self.serving.in_flight += 1
         try:
             return await coro_fn()
-        except RequestError as e:
-            await context.abort(e.code, e.args[0])
-        except MessageTooLarge as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        except (WireError, NonFiniteError) as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except (ValueError, IndexError, TypeError) as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{type(e).__name__}: {e}")
-        except RuntimeError as e:
-            # torch raises RuntimeError on shape mismatches; "shutting down" comes from the executor
-            code = grpc.StatusCode.UNAVAILABLE if "shutting down" in str(e) else grpc.StatusCode.INVALID_ARGUMENT
-            await context.abort(code, f"{type(e).__name__}: {e}")
+        except _HANDLED as e:
+            code, text = _status_of(e)
+            await context.abort(code, text)
         finally:
             self.serving.in_flight -= 1
 
-    async def _forward(self, received: Received) -> pb.ForwardResponse:
-        msg = received.message
-        executor, schema = self._check_target(msg)
-        x, targets, _ = self._tensors(received, schema, with_grad=False)
-        reply_codec = msg.reply_codec if msg.reply_codec in codec.CODEC_LABELS else None
-        if reply_codec is None:
-            raise WireError(f"unknown reply codec {msg.reply_codec}")
-        result = await asyncio.wrap_future(executor.forward(x, targets, validation=msg.validation))
-        response = pb.ForwardResponse(request_id=msg.request_id, peer_step=executor.step, compute_s=result.compute_s)
-        if result.loss is not None:
-            response.loss = float(result.loss.mean())
-        else:
-            codec.to_proto(codec.encode(result.output, reply_codec), response.output)
-        return response
+    async def _unary(self, kind: str, raw: bytes, context) -> bytes:
+        cls = pb.ForwardRequest if kind == "forward" else pb.BackwardRequest
 
-    async def _backward(self, received: Received) -> pb.BackwardResponse:
-        msg = received.message
-        executor, schema = self._check_target(msg)
-        x, targets, grad = self._tensors(received, schema, with_grad=True)
-        if msg.reply_codec not in codec.CODEC_LABELS:
-            raise WireError(f"unknown reply codec {msg.reply_codec}")
-        result = await asyncio.wrap_future(executor.backward(x, grad, targets, msg.request_id, int(msg.step)))
-        response = pb.BackwardResponse(
-            request_id=msg.request_id,
-            peer_step=executor.step,
-            accumulated_step=result.accumulated_step,
-            compute_s=result.compute_s,
-            duplicate=result.duplicate,
-        )
-        if result.loss is not None:
-            response.loss = float(result.loss.mean())
-        if result.grad_input is not None:
-            codec.to_proto(codec.encode(result.grad_input, msg.reply_codec), response.grad_input)
-        return response
+        async def run() -> bytes:
+            msg = messages.parse(cls, raw)
+            executor, schema = self._check_target(msg)
+            if not msg.HasField("input"):
+                raise WireError("request has no input tensor")
+            x = codec.decode(msg.input, self.limits.max_numel)
+            if x.dim() == 0:
+                raise WireError("input must have a batch dimension")
+            grad = None
+            if kind == "backward" and not schema.is_last and msg.HasField("grad_output"):
+                grad = codec.decode(msg.grad_output, self.limits.max_numel)
+            targets = self._targets(msg, schema, x.shape[0])
+
+            async def one_part():
+                yield x.shape[0], x, grad
+
+            acc = {"streamed": False}
+            encoded = [e async for e in self._compute(kind, msg, executor, schema, targets, one_part(), acc)]
+            return self._response(kind, msg, executor, acc, encoded[0] if encoded else None).SerializeToString()
+
+        return await self._guarded(context, run)
+
+    async def _streamed(self, kind: str, request_iterator, context) -> AsyncIterator[bytes]:
+        """The streamed form (see proto/swarm.proto): parts are computed and returned as they arrive."""
+        cls = pb.ForwardRequest if kind == "forward" else pb.BackwardRequest
+        self.serving.in_flight += 1
+        it = request_iterator.__aiter__()
+        try:
+            first = messages.parse(pb.Chunk, await anext(it), "stream header")
+            if not first.header:
+                raise WireError("stream did not start with a header chunk")
+            msg = messages.parse(cls, first.header, f"{cls.__name__} header")
+            executor, schema = self._check_target(msg)
+            if not msg.HasField("input"):
+                raise WireError("request has no input tensor")
+            batch = self._check_header(msg.input, "input", schema)
+            counts = list(first.parts)
+            if not counts or min(counts) < 1 or sum(counts) != batch:
+                raise WireError(f"stream parts {counts[:8]} do not add up to the batch of {batch}")
+            streamed = [msg.input]
+            if kind == "backward" and not schema.is_last:
+                if not msg.HasField("grad_output"):
+                    raise WireError("backward on a non-last stage needs grad_output")
+                if self._check_header(msg.grad_output, "grad_output", schema) != batch:
+                    raise WireError("grad_output batch differs from input batch")
+                streamed.append(msg.grad_output)
+            targets = self._targets(msg, schema, batch)
+            received = [0]
+
+            async def next_raw() -> bytes:
+                try:
+                    raw = await anext(it)
+                except StopAsyncIteration:
+                    raise WireError("stream ended before all its parts arrived") from None
+                received[0] += len(raw)
+                if received[0] > self.limits.max_message_bytes:
+                    raise MessageTooLarge(
+                        f"stream carries more than the limit of {self.limits.max_message_bytes} bytes"
+                    )
+                return raw
+
+            async def parts():
+                for n in counts:
+                    decoded = []
+                    for header in streamed:
+                        part = pb.Tensor(
+                            dtype=header.dtype,
+                            shape=[n, *header.shape[1:]],
+                            codec=header.codec,
+                            block_size=header.block_size,
+                        )
+                        data = await next_raw()
+                        scales = await next_raw() if header.codec == pb.CODEC_INT8_BLOCK else b""
+                        decoded.append(codec.decode(part, self.limits.max_numel, data, scales))
+                    yield n, decoded[0], decoded[1] if len(decoded) > 1 else None
+                try:
+                    await anext(it)
+                except StopAsyncIteration:
+                    return
+                raise WireError("stream carries more messages than its parts")
+
+            acc = {"streamed": True}
+            first_out = None
+            async for enc in self._compute(kind, msg, executor, schema, targets, parts(), acc):
+                first_out = first_out or enc
+                yield enc.data
+                if enc.codec == pb.CODEC_INT8_BLOCK:
+                    yield enc.scales
+            response = self._response(kind, msg, executor, acc, first_out)
+            context.set_trailing_metadata(
+                (
+                    (RESPONSE_KEY, response.SerializeToString()),
+                    (PARTS_KEY, ",".join(map(str, acc.get("out_counts", [])))),
+                )
+            )
+        except (StopAsyncIteration, *_HANDLED) as e:
+            if isinstance(e, StopAsyncIteration):
+                e = WireError("stream ended before all its parts arrived")
+            if isinstance(e, WireError):
+                # read what the client is still sending before answering: aborting mid-stream races
+                # the client's writes and can turn the clear status into a generic INTERNAL error
+                await _drain(it, self.limits.max_message_bytes)
+            code, text = _status_of(e)
+            await context.abort(code, text)
+        finally:
+            self.serving.in_flight -= 1
 
     # ---- gRPC entry points ----
 
@@ -192,45 +331,19 @@ class StageService:
         return self.serving.info().SerializeToString()
 
     async def forward(self, raw: bytes, context) -> bytes:
-        async def run():
-            received = Received(messages.parse(pb.ForwardRequest, raw))
-            return (await self._forward(received)).SerializeToString()
-
-        return await self._guarded(context, run)
+        return await self._unary("forward", raw, context)
 
     async def backward(self, raw: bytes, context) -> bytes:
-        async def run():
-            received = Received(messages.parse(pb.BackwardRequest, raw))
-            return (await self._backward(received)).SerializeToString()
-
-        return await self._guarded(context, run)
-
-    async def _stream(self, request_iterator, context, message_cls, handler) -> AsyncIterator[bytes]:
-        async def run():
-            try:
-                received = await messages.from_chunks_async(
-                    request_iterator, message_cls, self.limits.max_message_bytes
-                )
-            except WireError:
-                # Read what the client is still sending before answering: aborting mid-stream races
-                # the client's writes and can turn the clear status into a generic INTERNAL error.
-                await _drain(request_iterator, self.limits.max_message_bytes)
-                raise
-            return await handler(received)
-
-        response = await self._guarded(context, run)
-        if response is not None:
-            for chunk in messages.to_chunks(response):
-                yield chunk.SerializeToString()
+        return await self._unary("backward", raw, context)
 
     # grpc.aio needs handlers that are async generator functions themselves to stream responses
     async def forward_stream(self, request_iterator, context) -> AsyncIterator[bytes]:
-        async for chunk in self._stream(request_iterator, context, pb.ForwardRequest, self._forward):
-            yield chunk
+        async for message in self._streamed("forward", request_iterator, context):
+            yield message
 
     async def backward_stream(self, request_iterator, context) -> AsyncIterator[bytes]:
-        async for chunk in self._stream(request_iterator, context, pb.BackwardRequest, self._backward):
-            yield chunk
+        async for message in self._streamed("backward", request_iterator, context):
+            yield message
 
     async def get_state(self, raw: bytes, context) -> AsyncIterator[bytes]:
         request = messages.parse(pb.StateRequest, raw)

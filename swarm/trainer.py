@@ -36,8 +36,8 @@ from swarm.procs import PROGRESS_PREFIX, SUMMARY_PREFIX
 from swarm.view import ClientPool, SwarmView
 from swarm.wire import codec
 from swarm.wire.codec import codec_from_name
-from swarm.wire.messages import Received
 from swarm.wire.protocol import pb
+from swarm.wire.tensors import WireTensor
 from swarm.wiring import PeerLoad, Wiring
 
 logger = logging.getLogger(__name__)
@@ -102,6 +102,7 @@ class HeldBackward:
     peer_id: str
     accumulated_step: int
     request: pb.BackwardRequest
+    tensors: dict[str, WireTensor]
     replays: int = 0
 
 
@@ -119,23 +120,6 @@ class Stats:
     failed_peers: set[str] = field(default_factory=set)
     losses_by_step: dict[int, list[tuple[float, int]]] = field(default_factory=lambda: collections.defaultdict(list))
     val_losses: list[tuple[int, float]] = field(default_factory=list)
-
-
-def _tensor_pb(t: torch.Tensor, codec_id: int) -> pb.Tensor:
-    return codec.to_proto(codec.encode(t, codec_id))
-
-
-def _relay(received: Received, name: str) -> pb.Tensor:
-    """The received tensor as a self-contained message, to pass on without decoding it."""
-    header = getattr(received.message, name)
-    if name not in received.buffers:
-        return header
-    data, scales = received.buffers[name]
-    out = pb.Tensor()
-    out.CopyFrom(header)
-    out.data, out.scales = bytes(data), bytes(scales)
-    out.data_size = out.scales_size = 0
-    return out
 
 
 class Trainer:
@@ -229,11 +213,12 @@ class Trainer:
         self,
         stage: int,
         request,
+        tensors: dict[str, WireTensor],
         samples: int,
         kind: str,
         exclude: set[str] | None = None,
         retry_limit: int | None = -1,
-    ) -> tuple[Received, PeerLoad]:
+    ) -> tuple[object, WireTensor | None, PeerLoad]:
         """Send to the best peer of `stage`; on failure ban it and retry elsewhere.
 
         Retries are capped at `retry_limit` (default: --max-retries; None: no cap, for calls that must
@@ -266,10 +251,7 @@ class Trainer:
             peer.in_flight += samples
             started = time.monotonic()
             try:
-                if kind == "forward":
-                    received = await client.forward(request, timeout)
-                else:
-                    received = await client.backward(request, timeout)
+                response, output = await client.call(kind, request, tensors, timeout)
             except grpc.aio.AioRpcError as e:
                 code = e.code()
                 if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
@@ -312,7 +294,7 @@ class Trainer:
                 share = 1.0 / 3.0 if kind == "forward" else (1.0 if stage == self.run.num_stages - 1 else 2.0 / 3.0)
                 rate = samples * share / elapsed
                 peer.e2e_throughput = rate if peer.e2e_throughput is None else 0.8 * peer.e2e_throughput + 0.2 * rate
-            return received, peer
+            return response, output, peer
 
     def _request_id(self, mb: Microbatch, stage: int, kind: str) -> str:
         return f"{self.trainer_id}:{mb.mb_id}:{stage}:{kind}"
@@ -320,8 +302,9 @@ class Trainer:
     async def _process(self, mb: Microbatch) -> None:
         run = self.run
         S = run.num_stages
-        inputs: list[pb.Tensor] = [_tensor_pb(mb.inputs, self.codec)]
-        targets = _tensor_pb(mb.targets, pb.CODEC_NONE)
+        # Stage inputs travel as received, encoded: the trainer relays them without decoding.
+        inputs: list[WireTensor | None] = [WireTensor.encode(mb.inputs, self.codec)]
+        targets = codec.to_proto(codec.encode(mb.targets, pb.CODEC_NONE))
         for k in range(S - 1):
             req = pb.ForwardRequest(
                 request_id=self._request_id(mb, k, "f"),
@@ -330,10 +313,9 @@ class Trainer:
                 step=mb.step_tag,
                 reply_codec=self.codec,
             )
-            req.input.CopyFrom(inputs[k])
-            received, _ = await self._call(k, req, mb.samples, "forward")
-            inputs.append(_relay(received, "output"))
-        grad: pb.Tensor | None = None
+            _, output, _ = await self._call(k, req, {"input": inputs[k]}, mb.samples, "forward")
+            inputs.append(output)
+        grad: WireTensor | None = None
         for k in reversed(range(S)):
             req = pb.BackwardRequest(
                 request_id=self._request_id(mb, k, "b"),
@@ -343,27 +325,31 @@ class Trainer:
                 reply_codec=self.codec,
                 num_samples=mb.samples,
             )
-            req.input.CopyFrom(inputs[k])
+            tensors = {"input": inputs[k]}
             if k == S - 1:
                 req.targets.CopyFrom(targets)
             else:
-                req.grad_output.CopyFrom(grad)
+                tensors["grad_output"] = grad
             # no retry cap: later stages already hold this microbatch's gradient
-            received, peer = await self._call(k, req, mb.samples, "backward", retry_limit=None)
-            msg = received.message
+            msg, grad_input, peer = await self._call(k, req, tensors, mb.samples, "backward", retry_limit=None)
             if k == S - 1:
                 self.stats.losses_by_step[int(msg.peer_step)].append((float(msg.loss), mb.samples))
-            self._hold(mb, k, peer.peer_id, int(msg.accumulated_step), req)
-            if k > 0:
-                grad = _relay(received, "grad_input")
-                inputs[k] = None  # free what is no longer needed
+            self._hold(mb, k, peer.peer_id, int(msg.accumulated_step), req, tensors)
+            grad = grad_input
+            inputs[k] = None  # the held record keeps what a replay needs
         mb.done = True
 
     def _hold(
-        self, mb: Microbatch, stage: int, peer_id: str, accumulated_step: int, request: pb.BackwardRequest
+        self,
+        mb: Microbatch,
+        stage: int,
+        peer_id: str,
+        accumulated_step: int,
+        request: pb.BackwardRequest,
+        tensors: dict[str, WireTensor],
     ) -> None:
         mb.held.add(stage)
-        self.held.append(HeldBackward(mb, stage, peer_id, accumulated_step, request))
+        self.held.append(HeldBackward(mb, stage, peer_id, accumulated_step, request, tensors))
 
     # ---- holding and replaying gradients ----
 
@@ -387,13 +373,15 @@ class Trainer:
         rec.replays += 1
         rec.request.request_id = f"{rec.request.request_id}:r{rec.replays}"
         try:
-            received, peer = await self._call(rec.stage, rec.request, rec.mb.samples, "backward", exclude={rec.peer_id})
+            response, _, peer = await self._call(
+                rec.stage, rec.request, rec.tensors, rec.mb.samples, "backward", exclude={rec.peer_id}
+            )
         except (StageUnavailable, MicrobatchFailed, MicrobatchRejected) as e:
             logger.warning("replay of microbatch %d on stage %d failed: %s", rec.mb.mb_id, rec.stage, e)
             rec.replays -= 1
             return
         rec.peer_id = peer.peer_id
-        rec.accumulated_step = int(received.message.accumulated_step)
+        rec.accumulated_step = int(response.accumulated_step)
         self.stats.replays += 1
         logger.info("replayed microbatch %d's gradient on stage %d peer %s", rec.mb.mb_id, rec.stage, peer.peer_id[-6:])
 
@@ -511,7 +499,7 @@ class Trainer:
         for start in range(0, len(indices), run.microbatch):
             part = indices[start : start + run.microbatch]
             x, y = self.dataset.val(part)
-            cur = _tensor_pb(x, self.codec)
+            cur = WireTensor.encode(x, self.codec)
             for k in range(run.num_stages):
                 req = pb.ForwardRequest(
                     request_id=f"{self.trainer_id}:val:{start}:{k}",
@@ -520,14 +508,13 @@ class Trainer:
                     reply_codec=self.codec,
                     validation=True,
                 )
-                req.input.CopyFrom(cur)
                 if k == run.num_stages - 1:
-                    req.targets.CopyFrom(_tensor_pb(y, pb.CODEC_NONE))
-                received, _ = await self._call(k, req, len(part), "forward")
+                    req.targets.CopyFrom(codec.to_proto(codec.encode(y, pb.CODEC_NONE)))
+                response, output, _ = await self._call(k, req, {"input": cur}, len(part), "forward")
                 if k < run.num_stages - 1:
-                    cur = _relay(received, "output")
+                    cur = output
                 else:
-                    total += float(received.message.loss) * len(part)
+                    total += float(response.loss) * len(part)
                     count += len(part)
         return total / max(1, count)
 

@@ -3,6 +3,8 @@
 A model spec is a small JSON-able dict (it travels in the run config record on the DHT):
 - {"kind": "gpt", ...GPTConfig fields, "layer_split": [..] | None}
 - {"kind": "mlp", ...MLPConfig fields}
+- {"kind": "identity", "dim": N}: stages that return their input (the last: the mean square as a
+  per-sample loss); no compute, for measuring the wire path (scripts/bench_wire.py)
 - {"kind": "custom", "factory": "package.module:build_stages", "kwargs": {...}, "seed": 0,
    "input_dtype": "float32", "input_shape": [...]}: build_stages(num_stages=S, **kwargs) returns the
   list of S stage modules. Stage k < S-1 maps its input to the next stage's input; the last stage is
@@ -99,6 +101,9 @@ def validate_spec(spec: dict, num_stages: int) -> None:
         cfg = _config_from(MLPConfig, spec)
         if num_stages > cfg.n_layers:
             raise ValueError(f"cannot split {cfg.n_layers} MLP layers into {num_stages} stages")
+    elif kind == "identity":
+        if int(spec.get("dim", 0)) < 1:
+            raise ValueError("identity model needs 'dim' >= 1")
     elif kind == "custom":
         if ":" not in str(spec.get("factory", "")):
             raise ValueError("custom model needs 'factory': 'package.module:build_stages'")
@@ -127,7 +132,28 @@ def build_stage(spec: dict, stage: int, num_stages: int) -> BuiltStage:
         inp = TensorSchema(torch.float32, (cfg.in_dim if first else cfg.hidden,))
         targets = TensorSchema(torch.int64, (), (), (0, cfg.n_classes)) if last else None
         return BuiltStage(module, StageSchema(inp, targets, first, last), stage, num_stages)
+    if kind == "identity":
+        dim = int(spec["dim"])
+        module = IdentityStage(last)
+        targets = TensorSchema(torch.int64, (), (), (0, 1 << 30)) if last else None
+        return BuiltStage(
+            module, StageSchema(TensorSchema(torch.float32, (dim,)), targets, first, last), stage, num_stages
+        )
     return _build_custom_stage(spec, stage, num_stages)
+
+
+class IdentityStage(nn.Module):
+    """Returns its input: a stage with no compute, for measuring the wire path."""
+
+    def __init__(self, is_last: bool) -> None:
+        super().__init__()
+        self.is_last = is_last
+        self.scale = nn.Parameter(torch.ones(()))  # an optimizer needs one parameter
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if self.is_last:
+            return (x * self.scale).pow(2).mean(dim=1)
+        return x if not torch.is_grad_enabled() else x * self.scale
 
 
 def load_factory(path: str):

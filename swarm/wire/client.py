@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 
 import grpc
+from google.protobuf.message import Message
 
-from swarm.wire import messages
-from swarm.wire.messages import Received
+from swarm.wire import stream
+from swarm.wire.messages import parse
 from swarm.wire.options import MiB, channel_options
 from swarm.wire.protocol import pb
+from swarm.wire.tensors import WireTensor
 
-DEFAULT_STREAM_THRESHOLD = 2 * MiB
+# Requests with more tensor bytes than this are streamed part by part (SWARM_STREAM_THRESHOLD
+# overrides it, e.g. 0 to stream everything in tests).
+DEFAULT_STREAM_THRESHOLD = int(os.environ.get("SWARM_STREAM_THRESHOLD", 2 * MiB))
 
 
 class StageClient:
@@ -31,42 +36,34 @@ class StageClient:
         self._info = self.channel.unary_unary(
             "/swarm.Stage/Info", request_serializer=ser, response_deserializer=pb.InfoResponse.FromString
         )
-        self._forward = self.channel.unary_unary(
-            "/swarm.Stage/Forward", request_serializer=ser, response_deserializer=None
-        )
-        self._backward = self.channel.unary_unary(
-            "/swarm.Stage/Backward", request_serializer=ser, response_deserializer=None
-        )
-        self._forward_stream = self.channel.stream_stream(
-            "/swarm.Stage/ForwardStream", request_serializer=ser, response_deserializer=None
-        )
-        self._backward_stream = self.channel.stream_stream(
-            "/swarm.Stage/BackwardStream", request_serializer=ser, response_deserializer=None
-        )
-        self._get_state = self.channel.unary_stream(
-            "/swarm.Stage/GetState", request_serializer=ser, response_deserializer=None
-        )
+        self._unary = {
+            "forward": self.channel.unary_unary("/swarm.Stage/Forward", request_serializer=ser),
+            "backward": self.channel.unary_unary("/swarm.Stage/Backward", request_serializer=ser),
+        }
+        self._stream = {
+            "forward": self.channel.stream_stream("/swarm.Stage/ForwardStream"),
+            "backward": self.channel.stream_stream("/swarm.Stage/BackwardStream"),
+        }
+        self._get_state = self.channel.unary_stream("/swarm.Stage/GetState", request_serializer=ser)
 
     async def info(self, timeout: float) -> pb.InfoResponse:
         return await self._info(pb.InfoRequest(), timeout=timeout)
 
-    async def _call(self, request, unary, stream, response_cls, timeout: float) -> Received:
-        size = sum(
-            len(getattr(request, n).data) + len(getattr(request, n).scales)
-            for n in messages.TENSOR_FIELDS[type(request)]
-            if request.HasField(n)
-        )
-        if size < self.stream_threshold:
-            raw = await unary(request, timeout=timeout)
-            return Received(messages.parse(response_cls, raw))
-        call = stream(messages.to_chunks(request), timeout=timeout)
-        return await messages.from_chunks_async(call, response_cls, self.max_message_bytes)
-
-    async def forward(self, request: pb.ForwardRequest, timeout: float) -> Received:
-        return await self._call(request, self._forward, self._forward_stream, pb.ForwardResponse, timeout)
-
-    async def backward(self, request: pb.BackwardRequest, timeout: float) -> Received:
-        return await self._call(request, self._backward, self._backward_stream, pb.BackwardResponse, timeout)
+    async def call(
+        self, kind: str, request: Message, tensors: dict[str, WireTensor], timeout: float
+    ) -> tuple[Message, WireTensor | None]:
+        """Forward or Backward: `request` without its streamed tensors, which come in `tensors`."""
+        response_cls = pb.ForwardResponse if kind == "forward" else pb.BackwardResponse
+        if sum(t.nbytes for t in tensors.values()) < self.stream_threshold:
+            for name, tensor in tensors.items():
+                tensor.to_proto(getattr(request, name))
+            response = parse(response_cls, await self._unary[kind](request, timeout=timeout))
+            name = stream.OUTPUT_FIELD[response_cls]
+            return response, WireTensor.from_proto(getattr(response, name)) if response.HasField(name) else None
+        call = self._stream[kind](iter(stream.request_messages(request, tensors)), timeout=timeout)
+        raw_parts = [message async for message in call]
+        trailing = {key: value for key, value in (await call.trailing_metadata() or ())}
+        return stream.assemble_response(response_cls, raw_parts, trailing)
 
     def get_state(self, request: pb.StateRequest, timeout: float) -> AsyncIterator[bytes]:
         return self._get_state(request, timeout=timeout)

@@ -6,9 +6,10 @@ import grpc
 import pytest
 import torch
 
-from swarm.wire import codec, messages
+from swarm.wire import codec, stream
 from swarm.wire.options import channel_options
 from swarm.wire.protocol import pb
+from swarm.wire.tensors import WireTensor
 from tests.integration.helpers import TINY_GPT, info, run_args
 
 D, T = TINY_GPT["d_model"], TINY_GPT["seq_len"]
@@ -137,23 +138,28 @@ def test_bad_backward_and_stream_requests(two_stage_swarm):
         code, details = call(addr0, "Backward", req.SerializeToString())
         assert code == grpc.StatusCode.INVALID_ARGUMENT and needle in details, details
     assert info(addr0).samples_accumulated == 0  # nothing bad was accumulated
-    # streams: a truncated stream, a stream without header, an oversize announcement
+    # streams: truncated, no header, parts that do not add up, extra messages, oversize
     req = pb.BackwardRequest(request_id="s", run_id=swarm.run_id, stage=0, num_samples=2)
-    req.input.CopyFrom(tokens)
-    req.grad_output.CopyFrom(tensor(torch.randn(2, T, D)))
-    chunks = [c.SerializeToString() for c in messages.to_chunks(req, 1000)]
-    code, details = call(addr0, "BackwardStream", chunks[:-1], stream=True)
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and "ended after" in details
-    code, details = call(addr0, "BackwardStream", chunks[1:], stream=True)
+    wires = {
+        "input": WireTensor.encode(torch.randint(0, 256, (2, T)), pb.CODEC_NONE),
+        "grad_output": WireTensor.encode(torch.randn(2, T, D), pb.CODEC_NONE),
+    }
+    msgs = stream.request_messages(req, wires)
+    code, details = call(addr0, "BackwardStream", msgs[:-1], stream=True)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "ended before" in details, details
+    code, details = call(addr0, "BackwardStream", msgs[1:], stream=True)
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "header" in details, (code, details)
-    header = pb.BackwardRequest()
-    header.ParseFromString(pb.Chunk.FromString(chunks[0]).header)
-    header.grad_output.data_size = 1 << 40
-    code, details = call(
-        addr0, "BackwardStream", [pb.Chunk(header=header.SerializeToString()).SerializeToString()], stream=True
-    )
-    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    # the whole stream, valid, works
-    code, details = call(addr0, "BackwardStream", chunks, stream=True)
+    bad_parts = pb.Chunk.FromString(msgs[0])
+    bad_parts.parts[:] = [5]
+    code, details = call(addr0, "BackwardStream", [bad_parts.SerializeToString(), *msgs[1:]], stream=True)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "add up" in details, details
+    code, details = call(addr0, "BackwardStream", [msgs[0], b"\0" * (2 << 20)], stream=True)
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+    assert info(addr0).samples_accumulated == 0  # nothing from the broken streams was accumulated
+    # trailing junk is noticed after the parts were computed: their gradient counts once...
+    code, details = call(addr0, "BackwardStream", [*msgs, b"extra"], stream=True)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "more messages" in details, details
+    # ...and the retry of the same request (same id) is recognized, not counted twice
+    code, details = call(addr0, "BackwardStream", msgs, stream=True)
     assert code == grpc.StatusCode.OK, details
     assert info(addr0).samples_accumulated == 2

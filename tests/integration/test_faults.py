@@ -49,7 +49,10 @@ def assert_no_microbatch_lost(summary: dict) -> None:
 
 @pytest.mark.timeout(300)
 def test_sigkill_of_a_busy_peer_costs_retries_not_the_run(make_swarm):
-    swarm = make_swarm(stages=3, peers_per_stage=2, trainers=1, run_args=run_args())
+    # every call streamed part by part, so that the streamed path meets a real failure too
+    swarm = make_swarm(
+        stages=3, peers_per_stage=2, trainers=1, run_args=run_args(), env={"SWARM_STREAM_THRESHOLD": "0"}
+    )
     swarm.start()
     wait_step = start_training(swarm, steps=24)
     wait_step(6, timeout=120)
