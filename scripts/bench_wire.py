@@ -164,7 +164,8 @@ def main() -> int:
         "large_bytes": nbytes,
         "small_bytes": small.numel() * 4,
         "iterations": {"large": large_iters, "small": small_iters},
-        "machine": f"{platform.machine()} {os.cpu_count()} cpus, {platform.python_version()}, torch {torch.__version__}",
+        "machine": f"{platform.machine()} {os.cpu_count()} cpus, python {platform.python_version()}",
+        "torch": torch.__version__,
     }
     print(f"{'path':<28}{'round trip':>14}{'GB/s (both ways)':>20}")
     print(f"{'raw TCP socket (loopback)':<28}{out['raw_round_trip_ms']:>11.2f} ms{out['raw_socket_GBps']:>20.2f}")

@@ -86,25 +86,45 @@ def _raw_bytes(tensor: torch.Tensor) -> bytes:
     return tensor.view(torch.uint8).numpy().tobytes()
 
 
+QUANTIZE_ROWS = 1024  # blocks quantized per pass: the fp32 temporary stays in cache (1 MiB)
+
+
 def quantize_int8_blockwise(flat: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blockwise absmax quantization: q = round(x / scale), scale = absmax(block) / 127."""
+    """Blockwise absmax quantization: q = round(x / scale), scale = absmax(block) / 127.
+
+    |x| <= absmax, so |q| <= 127 without clamping. Vectorized over blocks; the scaled values go
+    through a small reused buffer instead of a full-size temporary. Only a partial last block is
+    padded.
+    """
     n = flat.numel()
-    num_blocks = max(1, math.ceil(n / block_size))
-    padded = flat.new_zeros(num_blocks * block_size)
-    padded[:n] = flat
-    blocks = padded.view(num_blocks, block_size)
-    scales = blocks.abs().amax(dim=1).div_(127.0)
-    inv = torch.where(scales > 0, scales.reciprocal(), torch.zeros_like(scales))
-    q = blocks.mul(inv.unsqueeze(1)).round_().clamp_(-127, 127).to(torch.int8)
+    if n == 0:
+        return torch.empty(0, dtype=torch.int8), torch.zeros(1)
+    num_blocks = math.ceil(n / block_size)
+    if n % block_size:
+        padded = flat.new_zeros(num_blocks * block_size)
+        padded[:n] = flat
+        flat = padded
+    blocks = flat.view(num_blocks, block_size)
+    # amax and amin are single passes with no temporary (abs() would write a full copy)
+    scales = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_()).div_(127.0)
+    inv = torch.where(scales > 0, scales.reciprocal(), torch.zeros_like(scales)).unsqueeze(1)
+    q = torch.empty((num_blocks, block_size), dtype=torch.int8)
+    tmp = torch.empty((min(QUANTIZE_ROWS, num_blocks), block_size))
+    for row in range(0, num_blocks, QUANTIZE_ROWS):
+        rows = min(QUANTIZE_ROWS, num_blocks - row)
+        scaled = torch.mul(blocks[row : row + rows], inv[row : row + rows], out=tmp[:rows])
+        q[row : row + rows].copy_(scaled.round_())
     return q.view(-1)[:n], scales
 
 
 def dequantize_int8_blockwise(q: torch.Tensor, scales: torch.Tensor, block_size: int) -> torch.Tensor:
     n = q.numel()
     num_blocks = scales.numel()
-    padded = torch.zeros(num_blocks * block_size, dtype=torch.float32)
-    padded[:n] = q
-    return padded.view(num_blocks, block_size).mul_(scales.unsqueeze(1)).view(-1)[:n]
+    if n == num_blocks * block_size:
+        return q.to(torch.float32).view(num_blocks, block_size).mul_(scales.unsqueeze(1)).view(-1)
+    out = torch.zeros(num_blocks * block_size)
+    out[:n] = q
+    return out.view(num_blocks, block_size).mul_(scales.unsqueeze(1)).view(-1)[:n]
 
 
 def encode(tensor: torch.Tensor, codec: int = pb.CODEC_NONE, block_size: int = DEFAULT_BLOCK_SIZE) -> Encoded:
