@@ -144,9 +144,8 @@ def main() -> int:
             with LocalSwarm(opts) as swarm:
                 swarm.start_coordinator()
                 peer = swarm.start_peer(0, extra=["--no-rebalance"])
-                log(
-                    f"gRPC Forward round trips of {tensor.numel() * 4 / 1024:.0f} KiB x {iters} through peer {peer.ready['address']}..."
-                )
+                kib = tensor.numel() * 4 / 1024
+                log(f"gRPC Forward round trips of {kib:.0f} KiB x {iters} through peer {peer.ready['address']}...")
                 results[name] = asyncio.run(grpc_round_trips(peer.ready["address"], swarm.run_id, tensor, iters))
 
     nbytes = large.numel() * 4
@@ -171,9 +170,8 @@ def main() -> int:
     print(f"{'raw TCP socket (loopback)':<28}{out['raw_round_trip_ms']:>11.2f} ms{out['raw_socket_GBps']:>20.2f}")
     print(f"{'gRPC Forward via a peer':<28}{out['grpc_round_trip_ms']:>11.2f} ms{out['grpc_GBps']:>20.2f}")
     print(f"ratio vs raw socket: {out['ratio_vs_raw_socket']:.2f}   (target >= 0.5)")
-    print(
-        f"64 KiB Forward round trip: p50 {out['p50_small_ms']:.2f} ms, p99 {out['p99_small_ms']:.2f} ms   (target p50 < 1 ms)"
-    )
+    p50, p99 = out["p50_small_ms"], out["p99_small_ms"]
+    print(f"64 KiB Forward round trip: p50 {p50:.2f} ms, p99 {p99:.2f} ms   (target p50 < 1 ms)")
     if args.json:
         print(json.dumps(out))
     return 0
