@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import sys
+import time
 import uuid
 
 from swarm.log import setup_logging
@@ -42,6 +43,38 @@ def _install_uvloop() -> None:
         uvloop.install()
     except ImportError:  # pragma: no cover - uvloop is a dependency
         pass
+
+
+def add_join_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run-id", required=True, help="the run to join")
+    p.add_argument(
+        "--initial-peers", nargs="+", metavar="MULTIADDR", help="DHT multiaddrs (the coordinator prints them)"
+    )
+    p.add_argument(
+        "--initial-peers-file",
+        metavar="PATH",
+        help="read the multiaddrs from this file (the coordinator's --maddrs-file), waiting for it to appear",
+    )
+
+
+def initial_peers(args: argparse.Namespace, timeout: float = 120.0) -> list[str]:
+    """--initial-peers, or the lines of --initial-peers-file once it exists."""
+    if args.initial_peers:
+        return list(args.initial_peers)
+    path = getattr(args, "initial_peers_file", None)
+    if not path:
+        raise SystemExit("give --initial-peers MULTIADDR... or --initial-peers-file PATH")
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            peers = [line.strip() for line in open(path) if line.strip()]
+            if peers:
+                return peers
+        except FileNotFoundError:
+            pass
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{path} did not appear (or stayed empty) within {timeout:.0f} s")
+        time.sleep(0.5)
 
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
@@ -145,14 +178,7 @@ def build_run_config(args: argparse.Namespace, run_id: str, stages: int, num_tra
 
 
 def add_peer_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--run-id", required=True, help="the run to join")
-    p.add_argument(
-        "--initial-peers",
-        nargs="+",
-        required=True,
-        metavar="MULTIADDR",
-        help="DHT multiaddrs (the coordinator prints them)",
-    )
+    add_join_args(p)
     p.add_argument(
         "--stage", default="auto", help="stage index to serve, or auto: the stage with the least total throughput"
     )
@@ -180,8 +206,7 @@ def add_peer_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_trainer_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--run-id", required=True)
-    p.add_argument("--initial-peers", nargs="+", required=True, metavar="MULTIADDR")
+    add_join_args(p)
     p.add_argument("--steps", type=int, default=60, help="train until the swarm has applied this many optimizer steps")
     p.add_argument("--trainer-index", type=int, default=0, help="this trainer's data shard")
     p.add_argument("--num-trainers", type=int, help="number of data shards (default: the run config's)")
@@ -210,7 +235,11 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     else:
         run = build_run_config(args, args.run_id or f"run-{uuid.uuid4().hex[:8]}", args.stages, args.num_trainers)
     _install_uvloop()
-    return asyncio.run(run_coordinator(run, host=args.host, port=args.port, announce_host=args.announce_host))
+    return asyncio.run(
+        run_coordinator(
+            run, host=args.host, port=args.port, announce_host=args.announce_host, maddrs_file=args.maddrs_file
+        )
+    )
 
 
 def cmd_peer(args: argparse.Namespace) -> int:
@@ -221,7 +250,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
     try:
         cfg = PeerConfig(
             run_id=args.run_id,
-            initial_peers=args.initial_peers,
+            initial_peers=initial_peers(args),
             stage=args.stage,
             host=args.host,
             port=args.port,
@@ -255,7 +284,7 @@ def cmd_trainer(args: argparse.Namespace) -> int:
     setup_logging("trainer", args.log_level)
     cfg = TrainerConfig(
         run_id=args.run_id,
-        initial_peers=args.initial_peers,
+        initial_peers=initial_peers(args),
         steps=args.steps,
         trainer_index=args.trainer_index,
         num_trainers=args.num_trainers,
@@ -322,7 +351,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     from swarm.status import collect_status, print_status
 
     setup_logging("status", args.log_level or "WARNING")
-    status = asyncio.run(collect_status(args.run_id, args.initial_peers))
+    status = asyncio.run(collect_status(args.run_id, initial_peers(args)))
     if args.json:
         print(json.dumps(status))
     else:
@@ -358,7 +387,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-trainers", type=int, default=1, help="trainers sharing the data (for sharding)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="DHT port (0: any free port)")
-    p.add_argument("--announce-host", help="address other machines reach the coordinator at")
+    p.add_argument("--announce-host", help="IP address other machines reach the coordinator at")
+    p.add_argument("--maddrs-file", help="also write the multiaddrs to join with to this file (for scripts)")
     p.add_argument("--config-json", help=argparse.SUPPRESS)
     add_run_args(p)
     p.set_defaults(func=cmd_coordinator)
@@ -389,8 +419,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_local)
 
     p = sub.add_parser("status", help="the swarm now: stages, peers, throughput, bottleneck, recent events")
-    p.add_argument("--run-id", required=True)
-    p.add_argument("--initial-peers", nargs="+", required=True, metavar="MULTIADDR")
+    add_join_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_status)
 

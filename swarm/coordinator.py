@@ -24,7 +24,11 @@ CONFIG_PERIOD = 20.0
 
 
 async def run_coordinator(
-    run: RunConfig, host: str = "127.0.0.1", port: int = 0, announce_host: str | None = None
+    run: RunConfig,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    announce_host: str | None = None,
+    maddrs_file: str | None = None,
 ) -> int:
     text = run.to_json()  # validates size before anything starts
     loop = asyncio.get_running_loop()
@@ -37,6 +41,13 @@ async def run_coordinator(
     announcer.start()
     try:
         maddrs = dht.visible_maddrs()
+        if announce_host:
+            maddrs = [m for m in maddrs if f"/ip4/{announce_host}/" in m] or maddrs
+        if maddrs_file:
+            tmp = f"{maddrs_file}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                f.write("\n".join(maddrs) + "\n")
+            os.replace(tmp, maddrs_file)  # atomic: readers never see a half-written file
         ready = {"role": "coordinator", "run_id": run.run_id, "initial_peers": maddrs, "pid": os.getpid()}
         print(READY_PREFIX + json.dumps(ready), flush=True)
         logger.info(
