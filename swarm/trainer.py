@@ -357,7 +357,7 @@ class Trainer:
         keep = []
         for rec in self.held:
             status = self.view.peers.get(rec.peer_id)
-            if status is not None and status.step > rec.accumulated_step:
+            if status is not None and status.stage == rec.stage and status.step > rec.accumulated_step:
                 rec.mb.held.discard(rec.stage)
             else:
                 keep.append(rec)
@@ -367,7 +367,8 @@ class Trainer:
 
     def _lost(self, rec: HeldBackward) -> bool:
         status = self.view.peers.get(rec.peer_id)
-        return status is None or not self.view.is_live(status)
+        # gone, unreachable, or moved to another stage before applying this gradient
+        return status is None or status.stage != rec.stage or not self.view.is_live(status)
 
     async def _replay(self, rec: HeldBackward) -> None:
         rec.replays += 1
