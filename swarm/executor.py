@@ -271,6 +271,7 @@ class StageExecutor:
             raise NonFiniteError(f"stage {self.built.stage} produced NaN or infinity in its forward pass")
         out = out.detach().cpu()
         elapsed = time.perf_counter() - start
+        self.compute_seconds += elapsed
         offset = 0
         for task in tasks:
             part = out[offset : offset + task.size]

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+import cProfile
 import json
 import logging
 import os
@@ -507,6 +509,23 @@ class Peer:
         logger.info("stopped")
 
 
+@contextlib.contextmanager
+def _event_loop_profile():
+    """With SWARM_PROFILE_DIR set (scripts/bench_overheads.py), profile the CPU time of this thread,
+    the event loop (parsing, validation, codecs, gRPC), while the peer serves."""
+    profile_dir = os.environ.get("SWARM_PROFILE_DIR")
+    if not profile_dir:
+        yield
+        return
+    profiler = cProfile.Profile(time.thread_time)
+    profiler.enable()
+    try:
+        yield
+    finally:
+        profiler.disable()
+        profiler.dump_stats(os.path.join(profile_dir, f"peer-{os.getpid()}.prof"))
+
+
 async def run_peer(cfg: PeerConfig) -> int:
     peer = Peer(cfg)
     loop = asyncio.get_running_loop()
@@ -518,7 +537,8 @@ async def run_peer(cfg: PeerConfig) -> int:
         done, _ = await asyncio.wait({start, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
         if start in done:
             start.result()  # raise a start-up error here
-            await stop_wait
+            with _event_loop_profile():
+                await stop_wait
         else:
             start.cancel()
         return 0

@@ -73,6 +73,7 @@ class ServingState:
             averaging_rounds=0 if ex is None else ex.averaging_rounds,
             params_sum=fp_sum,
             params_abs=fp_abs,
+            compute_seconds=0.0 if ex is None else ex.compute_seconds,
         )
 
 
