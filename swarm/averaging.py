@@ -73,6 +73,17 @@ class _StageAverager(DecentralizedAverager):
         averager_module.switch_to_uvloop = _standard_event_loop
         super().run()
 
+    async def _shutdown(self, timeout: float | None) -> None:
+        """hivemind 1.1.12's _shutdown calls finalize() on the futures of running groups instead of
+        on their runners (an AttributeError when a peer stops mid-round); cancel the rounds here."""
+        if not self.client_mode:
+            await self.remove_p2p_handlers(self._p2p, namespace=self.prefix)
+        for future in list(self._running_groups.values()):
+            if future.done() and not future.cancelled() and future.exception() is None:
+                future.result().finalize(cancel=True)
+            elif not future.done():
+                future.cancel()
+
     async def _fixed_group_round(self, group_id: bytes, members: list[bytes], weight: float, future: MPFuture) -> None:
         """Runs in the averager's process (dispatched through its pipe like hivemind's own methods)."""
         try:

@@ -428,6 +428,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output .pt file (a plain state_dict)")
     p.add_argument("--step", type=int, help="checkpoint step to export (default: the newest all stages have)")
     p.set_defaults(func=cmd_export)
+
+    from swarm.sim.cli import add_sim_parser  # the simulator imports no torch or hivemind at all
+
+    add_sim_parser(sub)
     return parser
 
 

@@ -181,6 +181,7 @@ class Peer:
         run = self.run
         self.serving = ServingState(run.run_id, self.dht.peer_id, __version__)
         self.serving.codec = codec_from_name(run.codec)
+        self.serving.exact = run.sync == "exact"
         self.serving.state_provider = self._state_stream
         limits = Limits(max_message_bytes=cfg.max_message_mb << 20, max_batch=run.max_batch)
         self.server, port = await start_server(StageService(self.serving, limits), cfg.host, cfg.port, limits)
@@ -283,11 +284,30 @@ class Peer:
         meta.pop("run_id")  # a checkpoint may seed a new run of the same model and split
         return meta
 
+    async def _reachable_mates(self, timeout: float) -> list:
+        """The stage's online mates that answer Info. A mate listed in the DHT but not yet polled
+        (its step unknown) is waited for, up to `timeout`: starting from the seeded initialization
+        next to an up-to-date mate that merely answered slowly would throw the stage back to step 0
+        once that mate leaves. A mate that fails three polls in a row counts as gone."""
+        deadline = time.monotonic() + timeout
+        while True:
+            listed = [m for m in self.view.stage_peers(self.stage, live_only=False) if m.record_state == "online"]
+            answered = [m for m in listed if m.last_info_ok and self.view.is_live(m)]
+            pending = [m for m in listed if m not in answered and m.info_failures < 3]
+            if not pending or time.monotonic() > deadline:
+                return answered
+            await asyncio.sleep(0.25)
+            await self.view.poll_info({self.stage})
+
     async def _initial_state(self) -> None:
-        mates = [m for m in self.live_mates() if m.record_state == "online"]
+        mates = await self._reachable_mates(min(30.0, self.cfg.state_timeout))
         if mates and max(m.step for m in mates) > 0:
-            if await self.sync_from_mates():
-                return
+            deadline = time.monotonic() + self.cfg.state_timeout
+            while time.monotonic() < deadline:
+                if await self.sync_from_mates():
+                    return
+                await asyncio.sleep(1.0)
+                await self.view.poll_info({self.stage})
             logger.warning("could not download the stage's state from any mate")
         if not mates and self.checkpoints is not None:
             loop = asyncio.get_running_loop()

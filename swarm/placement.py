@@ -55,6 +55,17 @@ class PlacementLoop:
         costs = stage_costs(peer.run.model, peer.run.num_stages)
         return plan_move(assignment, peer.run.num_stages, peer.cfg.rebalance_threshold, stage_costs=costs)
 
+    def _mates_caught_up(self) -> bool:
+        """Leave a stage only to mates that have answered and hold its current state: a mate still
+        joining (or one whose step is unknown) could otherwise be left alone with an old state."""
+        peer = self.peer
+        mates = [m for m in peer.live_mates() if m.record_state == "online"]
+        step = peer.executor.step
+        ok = bool(mates) and all(m.last_info_ok and m.step >= step - 1 for m in mates)
+        if not ok:
+            logger.info("not moving yet: the stage-mates have not caught up with step %d", step)
+        return ok
+
     async def run(self) -> None:
         peer, cfg = self.peer, self.peer.cfg
         while not peer.stop_event.is_set():
@@ -64,6 +75,8 @@ class PlacementLoop:
             try:
                 move = await self.plan()
                 if move is None or move.peer_id != peer.dht.peer_id:
+                    continue
+                if not self._mates_caught_up():
                     continue
                 await asyncio.sleep(self.rng.uniform(0.0, 1.0))
                 confirmed = await self.plan()  # fresh records: still this peer, still this move?

@@ -51,6 +51,9 @@ class ServingState:
         self.throughput: float = 0.0
         self.in_flight = 0
         self.state_provider: Callable[[], object] | None = None
+        # exact mode: a request for step t is computed only once this peer has applied step t - 1
+        self.exact = False
+        self.step_wait_s = 20.0
 
     def info(self) -> pb.InfoResponse:
         ex = self.executor
@@ -161,6 +164,8 @@ class StageService:
         Per-request figures (loss, compute time, accumulated step) are collected in `acc`."""
         if msg.reply_codec not in codec.CODEC_LABELS:
             raise WireError(f"unknown reply codec {msg.reply_codec}")
+        if self.serving.exact and not getattr(msg, "validation", False) and msg.step > executor.step:
+            await self._wait_for_step(executor, int(msg.step))
         offset, index = 0, 0
         async for n, x, grad in parts:
             schema.input.check(x, "input", self.limits.max_batch)
@@ -189,6 +194,19 @@ class StageService:
                     start += c
             offset += n
             index += 1
+
+    async def _wait_for_step(self, executor: StageExecutor, step: int) -> None:
+        """Exact mode: the trainer may reach this peer a moment before it has applied the update its
+        stage-mate already applied (they apply the same averaged gradient, not at the same instant).
+        Computing with the older parameters would break exactness, so the request waits for it."""
+        deadline = time.monotonic() + self.serving.step_wait_s
+        while executor.step < step:
+            if time.monotonic() > deadline or self.serving.executor is not executor:
+                raise RequestError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"peer is at step {executor.step}; the request is for step {step}",
+                )
+            await asyncio.sleep(0.005)  # the step changes on the compute thread; a poll is enough here
 
     def _response(self, kind: str, msg, executor: StageExecutor, acc: dict, first):
         cls = pb.ForwardResponse if kind == "forward" else pb.BackwardResponse

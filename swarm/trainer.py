@@ -227,15 +227,18 @@ class Trainer:
         """
         if retry_limit == -1:
             retry_limit = self.cfg.max_retries
+        exact_step = self.run.sync == "exact" and not getattr(request, "validation", False)
+        min_step = int(request.step) if exact_step else None
         exclude = set(exclude or ())
         attempts = 0
         wait_deadline = None
         while True:
             now = time.monotonic()
-            peer = self.wiring.choose(self.view.stage_loads(stage), samples, now, exclude)
+            loads = self.view.stage_loads(stage, min_step)
+            peer = self.wiring.choose(loads, samples, now, exclude)
             if peer is None and exclude:
                 exclude.clear()  # every candidate was tried: give the unbanned ones another go
-                peer = self.wiring.choose(self.view.stage_loads(stage), samples, now)
+                peer = self.wiring.choose(loads, samples, now)
             if peer is None:
                 wait_deadline = wait_deadline or now + self.cfg.stage_wait_timeout
                 if now > wait_deadline:

@@ -109,17 +109,24 @@ class SwarmView:
         now = time.monotonic()
         return [s for s in self.peers.values() if s.stage == stage and (not live_only or self.is_live(s, now))]
 
-    def stage_loads(self, stage: int) -> list[PeerLoad]:
-        """Peers a trainer may send work to: live and online (not draining)."""
+    def stage_loads(self, stage: int, min_step: int | None = None) -> list[PeerLoad]:
+        """Peers a trainer may send work to: live and online (not draining). With `min_step`, only
+        those known to have applied step min_step - 1, if there are any (exact mode: a stage-mate
+        applies the same update a moment later; the others would make the request wait)."""
+        peers = self.stage_peers(stage)
+        if min_step is not None:
+            ready = [s for s in peers if s.last_info_ok and s.step >= min_step]
+            peers = ready or peers
         out = []
-        for s in self.stage_peers(stage):
+        for s in peers:
             s.load.online = s.record_state == "online"
             out.append(s.load)
         return out
 
     def stage_step(self, stage: int) -> int | None:
-        """The stage's step: the most advanced live peer's (stage-mates catch up to it)."""
-        peers = self.stage_peers(stage)
+        """The stage's step: the most advanced live peer's (stage-mates catch up to it). Only peers
+        whose Info has answered count: a peer just seen in the DHT has not told its step yet."""
+        peers = [p for p in self.stage_peers(stage) if p.last_info_ok]
         return max((p.step for p in peers), default=None)
 
     def global_step(self) -> int | None:

@@ -115,5 +115,17 @@ def test_auto_placed_peers_spread_over_the_stages(make_swarm):
     peers = [swarm.start_peer("auto", wait=False) for _ in range(6)]
     for p in peers:
         p.wait_ready(120)
-    st = wait_for(status_when(swarm, lambda s: layout(s) == [2, 2, 2]), 60, "an even spread 2,2,2")
-    assert layout(st) == [2, 2, 2]
+
+    def spread(s: dict) -> bool:
+        # the stages' costs differ (embedding, head and loss), so the best spread of 6 equal peers
+        # is not always 2,2,2: every stage served, none holding most peers, and near the best
+        # assignment's throughput by the peers' own measurements
+        counts = layout(s)
+        if sum(counts) != 6 or min(counts) < 1 or max(counts) > 3:
+            return False
+        throughputs = [p["throughput"] for stage in s["stages"] for p in stage["peers"] if p["state"] == "online"]
+        achieved = min(stage["throughput"] for stage in s["stages"])
+        return achieved >= 0.75 * best_assignment_throughput(throughputs, 3)
+
+    st = wait_for(status_when(swarm, spread), 60, "the auto-placed peers to spread over the stages")
+    print("layout", layout(st), "stage throughputs", [round(stage["throughput"]) for stage in st["stages"]])

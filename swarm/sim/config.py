@@ -1,0 +1,162 @@
+"""What one simulated run is (SimConfig) and what it measured (RunResult).
+
+Every option has a default that needs no tuning: the `None` ones are derived from the swarm's size in
+`SimConfig.resolved()`, so that a run's cost (hops simulated) stays proportional to the peer count.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import asdict, dataclass, field, fields, replace
+
+logger = logging.getLogger(__name__)
+
+POLICIES = ("ours", "uniform", "weighted")
+INITIAL_LAYOUTS = ("join", "balanced", "random", "skewed")
+SECONDS_PER_HOUR = 3600.0
+# ~4 round trips of every microbatch per run at 8 stages and 2 microbatches in flight per peer: enough
+# for the averages to settle; the cost of a run is about hops * peers per stage (Wiring.choose)
+DEFAULT_HOPS_PER_PEER = 100.0
+MIN_HOPS_PER_RUN = 30_000
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One run. Throughputs are training samples/s (forward + backward) of a peer on one stage."""
+
+    peers: int = 100
+    stages: int = 4
+    sim_seconds: float = 3600.0
+    policy: str = "ours"  # ours | uniform | weighted
+    rebalance: bool = True
+    seed: int = 0
+    # peers: lognormal distributions given by median and sigma (of the underlying normal)
+    throughput_median: float = 100.0
+    throughput_sigma: float = 0.5
+    bandwidth_median_mbps: float = 1000.0
+    bandwidth_sigma: float = 0.5
+    latency_median_ms: float = 30.0  # one way, per end of a transfer
+    latency_sigma: float = 0.5
+    compute_jitter: float = 0.1  # sigma of a lognormal factor (mean 1) on every task's compute time
+    activation_kb: float = 64.0  # bytes sent per sample per hop (activations forward, gradients backward)
+    # churn
+    preemption_rate: float = 0.1  # fraction of the alive peers preempted per simulated hour (Poisson)
+    join_rate: float | None = None  # arrivals per hour as a fraction of `peers` (default: preemption_rate)
+    join_time: float = 10.0  # seconds a new peer needs (download, build) before it serves
+    failure_timeout: float = 5.0  # seconds until a trainer notices that its call to a dead peer failed
+    dead_after: float = 5.0  # seconds until the trainers' views drop a dead peer
+    # trainers and microbatches
+    trainers: int = 1  # independent trainer views (each knows only its own in-flight work)
+    in_flight: int | None = None  # microbatches in flight over all trainers (default 2 per peer)
+    microbatch_samples: float | None = None  # default: sized so that each peer serves ~hops_per_peer hops
+    hops_per_peer: float | None = None  # default: 100, more for small swarms (at least 30,000 hops a run)
+    report_running: bool = False  # peers' reported queue includes the task being computed
+    # rebalancing
+    rebalance_period: float = 15.0  # seconds between rounds, jittered x0.7..1.3
+    rebalance_threshold: float | None = None  # plan_move's threshold (default: min(0.1, 0.5 * stages / peers))
+    move_time: float = 10.0  # seconds a moved peer needs before it serves its new stage
+    move_cooldown: float = 60.0  # a peer that joined or moved this recently does not move
+    plan_candidates: int | None = None  # movable peers offered to plan_move per stage (0: all)
+    initial: str = "join"  # join | balanced | random | skewed
+    # metrics
+    warmup: float | None = None  # seconds left out of the averages (default: see summarize's warm_up)
+    window: float | None = None  # seconds per point of the throughput series (default: run / 60)
+
+    def validate(self) -> None:
+        if self.stages < 1:
+            raise ValueError("--stages must be at least 1")
+        if self.peers < self.stages:
+            raise ValueError(f"--peers ({self.peers}) must be at least --stages ({self.stages})")
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; one of {', '.join(POLICIES)}")
+        if self.initial not in INITIAL_LAYOUTS:
+            raise ValueError(f"unknown initial layout {self.initial!r}; one of {', '.join(INITIAL_LAYOUTS)}")
+        if self.sim_seconds <= 0 or self.trainers < 1 or (self.hops_per_peer is not None and self.hops_per_peer <= 0):
+            raise ValueError("--sim-seconds, --trainers and --hops-per-peer must be positive")
+        if self.compute_jitter < 0 or (self.in_flight is not None and self.in_flight < 1):
+            raise ValueError("--compute-jitter must not be negative, --in-flight must be positive")
+        if self.preemption_rate < 0 or (self.join_rate is not None and self.join_rate < 0):
+            raise ValueError("rates must not be negative")
+
+    @property
+    def hops_per_microbatch(self) -> int:
+        """Forward on stages 0..S-2, one forward+backward call on the last stage, backward S-2..0."""
+        return 2 * self.stages - 1
+
+    @property
+    def mean_throughput(self) -> float:
+        return self.throughput_median * math.exp(self.throughput_sigma**2 / 2)
+
+    def resolved(self) -> SimConfig:
+        """Fill in the derived defaults."""
+        self.validate()
+        hops_per_peer = self.hops_per_peer
+        if hops_per_peer is None:
+            hops_per_peer = max(DEFAULT_HOPS_PER_PEER, MIN_HOPS_PER_RUN / self.peers)
+        b = self.microbatch_samples
+        if b is None:
+            # hops per peer = sim_seconds * (peers / stages * mean throughput) / b * hops_per_mb / peers
+            b = self.sim_seconds * self.mean_throughput * self.hops_per_microbatch / (self.stages * hops_per_peer)
+            b = float(max(1, round(b)))
+        return replace(
+            self,
+            join_rate=self.preemption_rate if self.join_rate is None else self.join_rate,
+            in_flight=max(self.trainers, 2 * self.peers) if self.in_flight is None else self.in_flight,
+            microbatch_samples=b,
+            hops_per_peer=hops_per_peer,
+            rebalance_threshold=(
+                min(0.1, 0.5 * self.stages / self.peers)
+                if self.rebalance_threshold is None
+                else self.rebalance_threshold
+            ),
+            plan_candidates=(0 if self.peers <= 48 else 1) if self.plan_candidates is None else self.plan_candidates,
+            window=self.sim_seconds / 60 if self.window is None else self.window,
+        )
+
+    def label(self) -> str:
+        return f"{self.policy} / rebalancing {'on' if self.rebalance else 'off'}"
+
+
+@dataclass
+class RunResult:
+    """What a run measured; `summary()` is the part that goes into the JSON line and the table."""
+
+    policy: str
+    rebalance: bool
+    peers: int
+    stages: int
+    sim_seconds: float
+    microbatch_samples: float
+    in_flight: int
+    throughput: float  # samples/s completed, mean after warm-up
+    ideal_throughput: float  # best_assignment_throughput of the alive peers, mean after warm-up
+    throughput_fraction_of_ideal: float
+    placement_fraction_of_ideal: float  # capacity of the current assignment / ideal (wiring excluded)
+    latency_p50_s: float | None  # None when no microbatch made a whole trip after the warm-up
+    latency_p99_s: float | None
+    wasted_work_fraction: float  # compute spent on hops lost to preemptions / all compute
+    retries: int  # hops re-sent after their peer died
+    preemptions: int
+    joins: int
+    moves: int
+    rebalance_rounds: int
+    hops: int
+    microbatches_completed: int
+    lost_microbatches: int  # microbatches neither finished nor in flight at the end (must be 0)
+    final_peers: int
+    warmup_s: float = 0.0
+    wall_s: float = 0.0
+    cpu_s: float = 0.0  # this run's CPU time: its cost, whatever else the machine is doing
+    series: dict[str, list[float]] = field(default_factory=dict)
+
+    def summary(self) -> dict:
+        d = asdict(self)
+        d.pop("series")
+        for k, v in d.items():
+            if isinstance(v, float):
+                d[k] = round(v, 4)
+        return d
+
+
+CONFIG_FIELDS = tuple(f.name for f in fields(SimConfig))

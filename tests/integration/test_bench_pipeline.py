@@ -1,0 +1,48 @@
+"""scripts/bench_pipeline.py --quick keeps working: it runs end to end and its JSON line is complete.
+
+No timing assertions: the figures depend on the machine and its load.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+KEYS = (
+    "swarm_samples_per_s",
+    "torch_gpipe_samples_per_s",
+    "torch_1f1b_samples_per_s",
+    "ratio_vs_torch_best",
+    "swarm_2x_samples_per_s",
+)
+
+
+@pytest.mark.timeout(600)
+def test_bench_pipeline_quick_json(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_pipeline.py"), "--quick", "--json", "--log-dir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=580,  # generous: other work may share the machine
+    )
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    )
+    lines = proc.stdout.strip().splitlines()
+    assert "samples/s" in proc.stdout  # the readable table comes first
+    record = json.loads(lines[-1])
+    for key in KEYS:
+        value = record[key]
+        assert isinstance(value, float) and math.isfinite(value) and value > 0, (key, value)
+    config = record["config"]
+    assert config["stages"] == 3 and config["global_batch"] % config["microbatch"] == 0
+    assert config["microbatches"] == config["global_batch"] // config["microbatch"]
+    assert record["machine"]["cpu_count"] >= 1 and record["machine"]["platform"]
+    assert record["swarm_sync"] in ("exact", "async")
