@@ -1,0 +1,61 @@
+"""The benchmark scripts keep working: each runs end to end in --quick mode and its JSON line holds
+the figures docs/BENCHMARKS.md records. No timing assertions: figures depend on the machine's load.
+What can be checked without timing is: the figures are finite and positive, and the 8-bit codec
+really sends about a quarter of fp32's bytes in both directions."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_script(name: str, *args: str, timeout: float = 280) -> dict:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / name), "--quick", "--json", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def positive(value) -> bool:
+    return isinstance(value, float | int) and math.isfinite(value) and value > 0
+
+
+@pytest.mark.timeout(300)
+def test_bench_wire_quick():
+    out = run_script("bench_wire.py", "--mib", "2")
+    for key in ("ratio_vs_raw_socket", "p50_small_ms", "p99_small_ms", "grpc_round_trip_ms", "raw_round_trip_ms"):
+        assert positive(out[key]), (key, out[key])
+    assert out["p99_small_ms"] >= out["p50_small_ms"]
+
+
+@pytest.mark.timeout(300)
+def test_bench_codec_quick():
+    out = run_script("bench_codec.py")
+    for key in ("int8_GBps", "fp16_GBps", "bf16_GBps", "none_GBps"):
+        assert positive(out[key]), (key, out[key])
+    assert 0.2 < out["int8_bytes_ratio"] <= 0.27
+    assert 0.45 < out["fp16_bytes_ratio"] <= 0.51
+    sizes = out["bytes_per_microbatch"]
+    for direction in ("forward", "backward"):  # compression applies both ways
+        assert sizes["int8"][direction] < 0.3 * sizes["none"][direction], (direction, sizes)
+
+
+@pytest.mark.timeout(300)
+def test_bench_overheads_quick():
+    out = run_script("bench_overheads.py")
+    assert out["peers"] and all(positive(r["cpu_s"]) for r in out["peers"].values())
+    assert out["cpu_outside_compute_ms_per_call"] >= 0
+    assert out["event_loop_profile_top"], "the profile names the top items"
+    assert positive(out["trainer_rss_MiB"]["in_flight_16"])
