@@ -199,7 +199,12 @@ def add_peer_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-benchmark-cache", action="store_true", help="re-measure throughput instead of using the cache")
     p.add_argument("--no-rebalance", action="store_true", help="never move to another stage")
     p.add_argument("--rebalance-period", type=float, default=15.0, help="seconds between rebalancing checks (+-30%%)")
-    p.add_argument("--rebalance-threshold", type=float, default=0.1, help="relative gain a move must bring")
+    p.add_argument(
+        "--rebalance-threshold",
+        type=float,
+        default=0.1,
+        help="a move must raise the slowest stage by this fraction of the mean peer's throughput (default 0.1)",
+    )
     p.add_argument("--move-cooldown", type=float, default=60.0, help="seconds after joining/moving before moving")
     p.add_argument("--fail-at-step", type=int, help="fault injection for tests: fail when the stage reaches this step")
     p.add_argument("--fail-mode", default="kill", choices=["kill", "stop", "exit"], help="how --fail-at-step fails")

@@ -73,7 +73,7 @@ class PeerConfig:
     fail_mode: str = "kill"  # kill (SIGKILL self), stop (SIGSTOP self), exit (os._exit(3))
     rebalance: bool = True
     rebalance_period: float = 15.0  # seconds between checks, with +-30% jitter
-    rebalance_threshold: float = 0.1  # relative improvement a move must bring
+    rebalance_threshold: float = 0.1  # a move must raise the bottleneck by this x the mean peer throughput
     move_cooldown: float = 60.0  # seconds after joining or moving before this peer moves (again)
     events_ttl: float = 600.0
 

@@ -7,8 +7,11 @@ Ties on the minimum are broken by the next-smallest stage and so on (lexicograph
 from a layout like 3,1,1 of equal peers a peer still moves to make it 2,2,1: the same pipeline speed,
 and a stage that survives the loss of one peer.
 
-A move is planned only if it improves that objective by more than `threshold` (relative) at the first
-stage total it changes. Each planned move strictly improves a finite order, so moves cannot cycle
+A move is planned only if it raises the first stage total it changes by more than `threshold` times
+the mean peer's throughput: a margin against measurement noise in the unit of what one move can
+bring. (Relative to the stage total, as first written, no single move qualified once stages held
+more than 1/threshold peers: rebalancing switched itself off in large swarms; `swarm sim` showed it.)
+Each planned move strictly improves a finite order, so moves cannot cycle
 (no ping-pong), and a stage is never emptied. Every peer computes the same plan from the same view;
 only the peer named in the plan moves, so one peer moves per round.
 """
@@ -43,14 +46,14 @@ def stage_totals(peers: list[PeerInfo], num_stages: int) -> list[float]:
     return totals
 
 
-def better(after: list[float], before: list[float], threshold: float) -> bool:
+def better(after: list[float], before: list[float], margin: float = 0.0) -> bool:
     """Lexicographic max-min: compare the sorted stage totals; the first one that differs decides,
-    and it must have grown by more than `threshold` (relative). This is a strict order (equality is
+    and it must have grown by more than `margin` (absolute). This is a strict order (equality is
     exact up to float noise), so a sequence of moves can never come back to an earlier layout."""
     for a, b in zip(sorted(after), sorted(before), strict=True):
         if abs(a - b) <= 1e-9 * max(abs(a), abs(b), 1e-12):
             continue
-        return a > b * (1.0 + threshold)
+        return a > b + margin
     return False
 
 
@@ -77,6 +80,7 @@ def plan_move(
     if not peers:
         return None
     totals = stage_totals(peers, num_stages)
+    margin = threshold * sum(p.throughput for p in peers) / len(peers)
     counts = [0] * num_stages
     for p in peers:
         counts[p.stage] += 1
@@ -93,9 +97,9 @@ def plan_move(
             after = list(totals)
             after[p.stage] -= p.throughput
             after[dst] += gain
-            if not better(after, totals, threshold):
+            if not better(after, totals, margin):
                 continue
-            if best is None or better(after, best[0], 0.0):
+            if best is None or better(after, best[0]):
                 best = (after, p, dst, gain)
     if best is None:
         return None

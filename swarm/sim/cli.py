@@ -154,10 +154,10 @@ def add_sim_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
     )
     g.add_argument(
         "--rebalance-threshold",
-        type=_auto_float,
-        default="auto",
-        help="plan_move's relative threshold (auto: min(0.1, 0.5 * stages / peers); 0.1 never moves anyone once "
-        "stages hold more than ~10 peers)",
+        type=float,
+        default=0.1,
+        help="plan_move's threshold: a move must raise the bottleneck by this fraction of the mean peer's "
+        "throughput (default %(default)s, the peers' default)",
     )
     g.add_argument("--move-time", type=float, default=d.move_time, help="s a moved peer is unavailable (%(default)s)")
     g.add_argument(

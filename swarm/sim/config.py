@@ -54,7 +54,7 @@ class SimConfig:
     report_running: bool = False  # peers' reported queue includes the task being computed
     # rebalancing
     rebalance_period: float = 15.0  # seconds between rounds, jittered x0.7..1.3
-    rebalance_threshold: float | None = None  # plan_move's threshold (default: min(0.1, 0.5 * stages / peers))
+    rebalance_threshold: float | None = None  # plan_move's threshold (default: 0.1, the peers' default)
     move_time: float = 10.0  # seconds a moved peer needs before it serves its new stage
     move_cooldown: float = 60.0  # a peer that joined or moved this recently does not move
     plan_candidates: int | None = None  # movable peers offered to plan_move per stage (0: all)
@@ -105,11 +105,7 @@ class SimConfig:
             in_flight=max(self.trainers, 2 * self.peers) if self.in_flight is None else self.in_flight,
             microbatch_samples=b,
             hops_per_peer=hops_per_peer,
-            rebalance_threshold=(
-                min(0.1, 0.5 * self.stages / self.peers)
-                if self.rebalance_threshold is None
-                else self.rebalance_threshold
-            ),
+            rebalance_threshold=0.1 if self.rebalance_threshold is None else self.rebalance_threshold,
             plan_candidates=(0 if self.peers <= 48 else 1) if self.plan_candidates is None else self.plan_candidates,
             window=self.sim_seconds / 60 if self.window is None else self.window,
         )

@@ -1,0 +1,76 @@
+#!/usr/bin/env python
+"""Exact vs async synchronization, side by side: the same local swarm, the same number of steps (so
+the same number of samples), once with --sync exact and once with --sync async.
+
+    python scripts/compare_sync.py [--steps 200] [--json] [-- extra swarm local arguments]
+
+Reports each mode's validation loss and samples/s, and async's relative differences.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(mode: str, steps: int, extra: list[str]) -> dict:
+    print(f"swarm local --sync {mode} --steps {steps} {' '.join(extra)} ...", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory() as logs:
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "swarm.cli",
+                "local",
+                "--sync",
+                mode,
+                "--steps",
+                str(steps),
+                "--json",
+                "--log-dir",
+                logs,
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=3600,
+        )
+    if proc.returncode != 0:
+        raise SystemExit(f"swarm local --sync {mode} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
+    parser.add_argument("extra", nargs="*", help="more `swarm local` arguments (after --)")
+    args = parser.parse_args()
+    results = {mode: run(mode, args.steps, args.extra) for mode in ("exact", "async")}
+    exact, asyn = results["exact"], results["async"]
+    out = {
+        "steps": args.steps,
+        "samples": {m: r["samples"] for m, r in results.items()},
+        "val_loss": {m: r["val_loss"] for m, r in results.items()},
+        "samples_per_s": {m: r["samples_per_s"] for m, r in results.items()},
+        "async_val_loss_rel": asyn["val_loss"] / exact["val_loss"] - 1,
+        "async_speedup": asyn["samples_per_s"] / exact["samples_per_s"],
+    }
+    print(f"{'mode':<7}{'samples':>9}{'val_loss':>10}{'samples/s':>11}")
+    for mode, r in results.items():
+        print(f"{mode:<7}{r['samples']:>9}{r['val_loss']:>10.4f}{r['samples_per_s']:>11.1f}")
+    print(f"async vs exact: val loss {100 * out['async_val_loss_rel']:+.2f}%, samples/s x{out['async_speedup']:.2f}")
+    if args.json:
+        print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
