@@ -41,6 +41,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import achain, as_aiter, azip, enter_asynchronously
 
+from swarm.checks import all_finite
 from swarm.dht import die_with_parent
 
 logger = logging.getLogger(__name__)
@@ -206,7 +207,7 @@ class StageAverager:
             raise AveragingFailed(f"averaging for step {step} was incomplete (a member did not take part)")
         with self.averager.get_tensors() as tensors:
             mean = [t.detach().clone() for t in tensors]
-        if not all(torch.isfinite(t).all() for t in mean):
+        if not all(all_finite(t) for t in mean):
             raise AveragingFailed(f"averaged gradient for step {step} is not finite (no member had samples?)")
         return AveragedGradient(mean, len(members), time.monotonic() - start)
 

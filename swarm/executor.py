@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from swarm.checks import all_finite
 from swarm.config import OptimConfig
 from swarm.models import BuiltStage
 from swarm.optim import apply_update, build_optimizer
@@ -267,7 +268,7 @@ class StageExecutor:
         self.module.train(train)
         with torch.no_grad():
             out = self._call_module(x, targets)
-        if not torch.isfinite(out).all():
+        if not all_finite(out):
             raise NonFiniteError(f"stage {self.built.stage} produced NaN or infinity in its forward pass")
         out = out.detach().cpu()
         elapsed = time.perf_counter() - start
@@ -296,7 +297,7 @@ class StageExecutor:
             if self.is_last:
                 objective, grad_seed = out.sum(), None
                 losses = out.detach()
-                if not torch.isfinite(losses).all():
+                if not all_finite(losses):
                     raise NonFiniteError(f"stage {self.built.stage} produced a NaN or infinite loss")
             else:
                 objective, grad_seed, losses = out, grad_out, None
@@ -305,9 +306,9 @@ class StageExecutor:
         param_grads = [] if duplicate else list(grads[: len(self.params)])
         grad_input = grads[-1] if self.inputs_are_float else None
         for g in param_grads:
-            if g is not None and not torch.isfinite(g).all():
+            if g is not None and not all_finite(g):
                 raise NonFiniteError(f"stage {self.built.stage} computed a NaN or infinite gradient; not accumulated")
-        if grad_input is not None and not torch.isfinite(grad_input).all():
+        if grad_input is not None and not all_finite(grad_input):
             raise NonFiniteError(f"stage {self.built.stage} computed a NaN or infinite input gradient")
         target_step = max(tasks[0].tag, self.accumulating_step)
         if not duplicate:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from swarm.checks import all_finite
 from swarm.executor import NonFiniteError, StageExecutor
 from swarm.models import StageSchema
 from swarm.wire import codec, messages
@@ -153,7 +154,7 @@ class StageService:
             raise WireError(f"grad_output must be a float tensor, got {grad.dtype}")
         if grad.shape[0] != batch:
             raise WireError(f"grad_output batch {grad.shape[0]} differs from input batch {batch}")
-        if not torch.isfinite(grad).all():
+        if not all_finite(grad):
             raise WireError("grad_output contains NaN or infinity")
         return grad.float()
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from swarm.checks import all_finite
 from swarm.wire.protocol import pb
 
 logger = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ def validate(state: dict, module: nn.Module, meta: dict | None = None) -> None:
         if got[name].dtype != tensor.dtype:
             raise StateError(f"parameter {name}: dtype {got[name].dtype} != {tensor.dtype}")
     for t in _tensors(state["model"]) + _tensors(state["optimizer"]):
-        if t.is_floating_point() and not torch.isfinite(t).all():
+        if t.is_floating_point() and not all_finite(t):
             raise StateError("state holds NaN or infinite values")
     if meta is not None:
         for key, want in meta.items():

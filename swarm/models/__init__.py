@@ -22,6 +22,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import nn
 
+from swarm.checks import all_finite
 from swarm.models.gpt import GPT, GPTConfig, build_gpt_stage
 from swarm.models.mlp import MLPConfig, MLPStage, build_mlp_stage
 
@@ -51,7 +52,7 @@ class TensorSchema:
             if want is None and (actual < 1 or (limit is not None and actual > limit)):
                 raise ValueError(f"{what} has shape {list(tensor.shape)}, dim {i + 1} must be in 1..{limit}")
         if self.dtype.is_floating_point:
-            if not torch.isfinite(tensor).all():
+            if not all_finite(tensor):
                 raise ValueError(f"{what} contains NaN or infinity")
         elif self.value_range is not None and tensor.numel():
             lo, hi = self.value_range
