@@ -1,5 +1,6 @@
 """Adaptive rebalancing on real processes: peers move to where the swarm needs them."""
 
+import itertools
 import json
 import signal
 import subprocess
@@ -9,7 +10,6 @@ import time
 
 import pytest
 
-from swarm.rebalance import best_assignment_throughput
 from tests.integration.helpers import run_args, wait_for
 
 FAST_REBALANCE = ["--rebalance-period", "3", "--move-cooldown", "6"]
@@ -34,6 +34,28 @@ def status(swarm) -> dict:
 
 def layout(st: dict) -> list[int]:
     return [sum(p["state"] == "online" for p in stage["peers"]) for stage in st["stages"]]
+
+
+def best_layout_throughput(st: dict) -> float:
+    """The best swarm throughput these online peers could reach by moving. The test's peers are
+    identical processes on one machine, so a stage's rate per peer is a property of the stage (its
+    peers' mean measured throughput; the tiny model's stages differ by 2x in practice, which its
+    FLOP estimate does not capture): the best layout is the best count of peers per stage."""
+    rates, total = [], 0
+    for stage in st["stages"]:
+        online = [p["throughput"] for p in stage["peers"] if p["state"] == "online"]
+        rates.append(sum(online) / len(online))
+        total += len(online)
+    layouts = (c for c in itertools.product(range(1, total + 1), repeat=len(rates)) if sum(c) == total)
+    return max(min(n * r for n, r in zip(c, rates, strict=True)) for c in layouts)
+
+
+def near_best(st: dict, fraction: float = 0.75) -> bool:
+    """Every stage served, and the slowest stage within `fraction` of the best layout's."""
+    if min(layout(st)) < 1:
+        return False
+    achieved = min(stage["throughput"] for stage in st["stages"])
+    return achieved >= fraction * best_layout_throughput(st)
 
 
 def status_when(swarm, predicate):
@@ -94,9 +116,7 @@ def test_peers_move_off_a_crowded_stage_and_recover_after_a_kill(make_swarm):
         counts = layout(s)
         if sum(counts) != 4 or min(counts) < 1:
             return None
-        throughputs = [p["throughput"] for stage in s["stages"] for p in stage["peers"] if p["state"] == "online"]
-        achieved = min(stage["throughput"] for stage in s["stages"])
-        return s if achieved >= 0.75 * best_assignment_throughput(throughputs, 3) else None
+        return s if near_best(s) else None
 
     st = wait_for(recovered, 60, "the 4 remaining peers to form a near-best assignment")
     print("after the kill: layout", layout(st))
@@ -121,11 +141,7 @@ def test_auto_placed_peers_spread_over_the_stages(make_swarm):
         # is not always 2,2,2: every stage served, none holding most peers, and near the best
         # assignment's throughput by the peers' own measurements
         counts = layout(s)
-        if sum(counts) != 6 or min(counts) < 1 or max(counts) > 3:
-            return False
-        throughputs = [p["throughput"] for stage in s["stages"] for p in stage["peers"] if p["state"] == "online"]
-        achieved = min(stage["throughput"] for stage in s["stages"])
-        return achieved >= 0.75 * best_assignment_throughput(throughputs, 3)
+        return sum(counts) == 6 and min(counts) >= 1 and max(counts) <= 3 and near_best(s)
 
     st = wait_for(status_when(swarm, spread), 60, "the auto-placed peers to spread over the stages")
     print("layout", layout(st), "stage throughputs", [round(stage["throughput"]) for stage in st["stages"]])
