@@ -15,9 +15,7 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -25,6 +23,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from local_runs import swarm_local_json  # noqa: E402  (scripts/, the script's own folder)
 
 from swarm.config import DEFAULT_MODEL  # noqa: E402
 from swarm.wire.protocol import pb  # noqa: E402
@@ -72,30 +72,7 @@ def val_loss_runs(codecs: list[str], steps: int) -> dict:
     results = {}
     for name in codecs:
         log(f"swarm local --steps {steps} --codec {name} {' '.join(RUN_ARGS)} ...")
-        with tempfile.TemporaryDirectory() as logs:
-            proc = subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "swarm.cli",
-                    "local",
-                    "--steps",
-                    str(steps),
-                    "--codec",
-                    name,
-                    "--json",
-                    "--log-dir",
-                    logs,
-                    *RUN_ARGS,
-                ],
-                capture_output=True,
-                text=True,
-                cwd=ROOT,
-                timeout=900,
-            )
-        if proc.returncode != 0:
-            raise RuntimeError(f"swarm local --codec {name} failed:\n{proc.stderr[-2000:]}")
-        summary = json.loads(proc.stdout.strip().splitlines()[-1])
+        summary = swarm_local_json(["--steps", str(steps), "--codec", name, *RUN_ARGS], timeout=900)
         results[name] = {k: summary[k] for k in ("val_loss", "loss_last", "samples_per_s", "wall_s")}
     return results
 

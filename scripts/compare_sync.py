@@ -11,40 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from local_runs import swarm_local_json  # scripts/, the script's own folder
 
 
 def run(mode: str, steps: int, extra: list[str]) -> dict:
     print(f"swarm local --sync {mode} --steps {steps} {' '.join(extra)} ...", file=sys.stderr, flush=True)
-    with tempfile.TemporaryDirectory() as logs:
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "swarm.cli",
-                "local",
-                "--sync",
-                mode,
-                "--steps",
-                str(steps),
-                "--json",
-                "--log-dir",
-                logs,
-                *extra,
-            ],
-            capture_output=True,
-            text=True,
-            cwd=ROOT,
-            timeout=3600,
-        )
-    if proc.returncode != 0:
-        raise SystemExit(f"swarm local --sync {mode} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return swarm_local_json(["--sync", mode, "--steps", str(steps), *extra])
 
 
 def main() -> int:
