@@ -1,15 +1,20 @@
 #!/usr/bin/env python
-"""What a one-step gradient delay costs by itself, in plain single-process training (no swarm).
+"""What running ahead costs by itself, in plain single-process training (no swarm), and what the
+async look-ahead (`predict_params`) wins back.
 
-Async mode lets trainers run up to --max-staleness steps ahead: a microbatch meant for update t+1
-goes forward through parameters that have not yet received update t, so its gradient is one step
-stale when applied. This script trains the unsplit default GPT on the default data with the same
-optimizer, schedule, clipping and global batch as `swarm local`, once with fresh gradients and once
-with every gradient (or a given fraction of each batch) taken at the previous step's parameters,
-and prints both validation losses. It separates the cost of staleness itself from anything the swarm
-adds.
+Async mode lets trainers start microbatches of update t+1 before update t is applied. Computed at
+the current parameters, their gradients are one update stale when applied ("stale"). With look-ahead,
+a peer computes them at the parameters update t is expected to give: the optimizer step on the mean
+of the gradients it holds for update t so far ("predicted", swarm.optim.predicted_params).
 
-    .venv/bin/python scripts/staleness_effect.py [--steps 150] [--global-batch 32] [--stale-fraction 1.0] [--json]
+This script trains the unsplit default GPT on the default data with the same optimizer, schedule
+(cosine over --steps, as `swarm local` sets it), clipping and global batch as `swarm local`, three
+times: every gradient fresh; the first --run-ahead share of each batch stale; the same share at
+predicted parameters, estimated as a peer does from the first --known share of the previous batch
+(swarm.optim.expected_mean_gradient). It prints the
+three validation losses, separating the cost of staleness from anything the swarm adds.
+
+    .venv/bin/python scripts/staleness_effect.py [--steps 150] [--run-ahead 0.5] [--known 0.5] [--json]
 """
 
 from __future__ import annotations
@@ -28,76 +33,99 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from swarm.config import RunConfig  # noqa: E402
+from swarm.config import OptimConfig, RunConfig  # noqa: E402
 from swarm.data import ShardSampler, load_dataset, val_indices  # noqa: E402
 from swarm.models import GPT, GPTConfig  # noqa: E402
-from swarm.optim import apply_update, build_optimizer  # noqa: E402
+from swarm.optim import apply_update, build_optimizer, expected_mean_gradient, predicted_params  # noqa: E402
+
+MODES = ("fresh", "stale", "predicted")
 
 
-def batch_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    logits = model(x)
-    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+def summed_grads(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+    """Gradient of the loss summed over the samples (the swarm's accumulator convention)."""
+    net.zero_grad()
+    logits = net(x)
+    (F.cross_entropy(logits.flatten(0, 1), y.flatten()) * x.shape[0]).backward()
+    return [p.grad.clone() for p in net.parameters() if p.requires_grad]
 
 
-def train(run: RunConfig, dataset, steps: int, stale_fraction: float, val_idx: list[int]) -> float:
-    """Train `steps` updates; `stale_fraction` of each global batch is evaluated at the previous
-    step's parameters (as async mode's run-ahead microbatches are). Returns the validation loss."""
-    torch.manual_seed(0)
+def train(run: RunConfig, dataset, steps: int, mode: str, ahead: float, known: float, val_idx: list[int]) -> float:
+    """`steps` updates of `run.global_batch` samples; returns the validation loss."""
     spec = {k: v for k, v in run.model.items() if k != "kind"}
     model = GPT(GPTConfig(**spec))
-    previous = copy.deepcopy(model)  # the parameters before the last update
+    shadow = copy.deepcopy(model)  # holds predicted parameters
     optimizer = build_optimizer(model, run.optim)
     sampler = iter(ShardSampler(dataset.num_train, 0, 1, run.data.seed))
     B = run.global_batch
-    n_stale = round(B * stale_fraction)
+    n_ahead = 0 if mode == "fresh" else round(B * ahead)
+    n_known = max(1, round(B * known))
+    cuts = sorted({0, min(n_known, B), n_ahead, B})
+    chunks = list(zip(cuts, cuts[1:], strict=False))  # row ranges, so the known part is a sum of chunks
+    batch = dataset.train([next(sampler) for _ in range(B)])
+    carried: dict[tuple[int, int], list[torch.Tensor]] = {}  # run-ahead rows, computed last step
     for step in range(steps):
-        x, y = dataset.train([next(sampler) for _ in range(B)])
-        grads = [torch.zeros_like(p) for p in model.parameters()]
-        for net, rows, weight in ((previous, slice(0, n_stale), n_stale), (model, slice(n_stale, B), B - n_stale)):
-            if weight == 0:
-                continue
-            net.zero_grad()
-            (batch_loss(net, x[rows], y[rows]) * weight / B).backward()
-            for g, p in zip(grads, net.parameters(), strict=True):
-                g.add_(p.grad)
-        previous.load_state_dict(model.state_dict())
-        for p, g in zip(model.parameters(), grads, strict=True):
+        (x, y), batch = batch, dataset.train([next(sampler) for _ in range(B)])
+        parts = {c: carried.get(c) or summed_grads(model, x[c[0] : c[1]], y[c[0] : c[1]]) for c in chunks}
+        carried = {}
+        if n_ahead and step + 1 < steps:
+            net = model
+            if mode == "predicted":
+                known_sum = [sum(gs) for gs in zip(*(parts[c] for c in chunks if c[1] <= n_known), strict=True)]
+                # the estimate a peer makes (swarm/peer.py: prior of a quarter batch)
+                mean = expected_mean_gradient(optimizer, known_sum, n_known, max(1, B // 4))
+                with torch.no_grad():
+                    values = predicted_params(optimizer, run.optim, step, mean)
+                    for p, v in zip([p for p in shadow.parameters() if p.requires_grad], values, strict=True):
+                        p.copy_(v)
+                net = shadow
+            xn, yn = batch
+            carried = {c: summed_grads(net, xn[c[0] : c[1]], yn[c[0] : c[1]]) for c in chunks if c[1] <= n_ahead}
+        total = [sum(gs) / B for gs in zip(*parts.values(), strict=True)]
+        for p, g in zip([p for p in model.parameters() if p.requires_grad], total, strict=True):
             p.grad = g
         apply_update(optimizer, run.optim, step)
     model.eval()
     with torch.no_grad():
         x, y = dataset.val(val_idx)
-        return float(batch_loss(model, x, y))
+        return float(F.cross_entropy(model(x).flatten(0, 1), y.flatten()))
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--global-batch", type=int, default=32)
-    parser.add_argument("--stale-fraction", type=float, default=1.0, help="share of each batch one step stale")
+    parser.add_argument("--run-ahead", type=float, default=0.5, help="share of each batch started a step early")
+    parser.add_argument("--known", type=float, default=0.5, help="share of a batch's gradient known at that time")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     parser.add_argument("--val-samples", type=int, default=256)
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
     args = parser.parse_args()
+    modes = args.modes.split(",")
+    if not set(modes) <= set(MODES) or not 0 <= args.run_ahead <= 1 or not 0 < args.known <= 1:
+        parser.error("bad --modes, --run-ahead (0..1) or --known (0..1]")
     torch.set_num_threads(2)
-    run = RunConfig(run_id="staleness", global_batch=args.global_batch)
+    run = RunConfig(run_id="staleness", global_batch=args.global_batch, optim=OptimConfig(total_steps=args.steps))
     dataset = load_dataset(run.data, run.model)
     val_idx = val_indices(dataset, args.val_samples)
     started = time.perf_counter()
-    fresh = train(run, dataset, args.steps, 0.0, val_idx)
-    stale = train(run, dataset, args.steps, args.stale_fraction, val_idx)
+    print(
+        f"{args.steps} steps of {args.global_batch} samples, single process, default GPT and optimizer; "
+        f"{100 * args.run_ahead:.0f}% of each batch run ahead, {100 * args.known:.0f}% of a gradient known:"
+    )
+    losses: dict[str, float] = {}
+    for mode in modes:
+        losses[mode] = train(run, dataset, args.steps, mode, args.run_ahead, args.known, val_idx)
+        rel = f" ({100 * (losses[mode] / losses['fresh'] - 1):+.1f}%)" if "fresh" in losses else ""
+        print(f"  {mode:<10} val loss {losses[mode]:.4f}{rel}", flush=True)
     out = {
         "steps": args.steps,
         "global_batch": args.global_batch,
-        "stale_fraction": args.stale_fraction,
-        "val_loss_fresh": fresh,
-        "val_loss_stale": stale,
-        "stale_rel": stale / fresh - 1,
+        "run_ahead": args.run_ahead,
+        "known": args.known,
+        "val_loss": losses,
+        "rel_to_fresh": {m: v / losses["fresh"] - 1 for m, v in losses.items()} if "fresh" in losses else {},
         "wall_s": time.perf_counter() - started,
     }
-    print(f"{args.steps} steps of {args.global_batch} samples, single process, default GPT and optimizer:")
-    print(f"  fresh gradients              val loss {fresh:.4f}")
-    share = f"{100 * args.stale_fraction:.0f}% of each batch 1 step stale"
-    print(f"  {share:<29}val loss {stale:.4f} ({100 * out['stale_rel']:+.1f}%)")
     if args.json:
         print(json.dumps(out))
     return 0

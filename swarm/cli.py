@@ -103,6 +103,12 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
         help="exact: step t+1 starts after every stage applied step t (default async)",
     )
     g.add_argument("--max-staleness", type=int, help="async: steps a trainer may run ahead (default 1)")
+    g.add_argument(
+        "--predict-params",
+        action=argparse.BooleanOptionalAction,
+        help="async: compute microbatches meant for a pending update at the parameters that update is "
+        "expected to give, not the current ones (default on; --no-predict-params for plain staleness)",
+    )
     g.add_argument("--lr", type=float, help="peak learning rate (default 3e-3)")
     g.add_argument("--warmup-steps", type=int, help="linear warmup steps (default 5)")
     g.add_argument("--total-steps", type=int, help="cosine schedule length (default: --steps for local, else 1000)")
@@ -160,7 +166,7 @@ def build_run_config(args: argparse.Namespace, run_id: str, stages: int, num_tra
     fields = {
         k: v for k, v in base.items() if k not in ("model", "data", "optim", "run_id", "num_stages", "num_trainers")
     }
-    for arg in ("global_batch", "microbatch", "codec", "sync", "max_staleness"):
+    for arg in ("global_batch", "microbatch", "codec", "sync", "max_staleness", "predict_params"):
         if getattr(args, arg) is not None:
             fields[arg] = getattr(args, arg)
     try:

@@ -61,6 +61,9 @@ class RunConfig:
     codec: str = "fp16"  # activations forward and gradients backward
     sync: str = "async"  # "exact": step t+1 starts after every stage applied step t
     max_staleness: int = 1  # async: steps of samples a trainer may run ahead
+    # async: compute run-ahead microbatches at the parameters the pending update is expected to give
+    # (its optimizer step on the mean gradient accumulated so far) instead of the current ones
+    predict_params: bool = True
     num_trainers: int = 1  # for disjoint data sharding and the per-trainer share of a global batch
     max_batch: int = 256  # largest batch a peer accepts in one request
     version: str = __version__
@@ -89,6 +92,8 @@ class RunConfig:
             )
         if self.max_staleness < 0:
             raise ValueError("max_staleness must be >= 0")
+        if not isinstance(self.predict_params, bool):
+            raise ValueError(f"predict_params must be true or false, got {self.predict_params!r}")
 
     @property
     def trainer_share(self) -> int:

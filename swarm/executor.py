@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +26,7 @@ import torch
 from swarm.checks import all_finite
 from swarm.config import OptimConfig
 from swarm.models import BuiltStage
-from swarm.optim import apply_update, build_optimizer
+from swarm.optim import apply_update, build_optimizer, expected_mean_gradient, predicted_params
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ class Task:
     targets: torch.Tensor | None = None
     grad_output: torch.Tensor | None = None
     request_id: str = ""
-    tag: int = 0  # backward: the step the trainer meant this microbatch for
+    tag: int = 0  # forward and backward: the step the trainer meant this microbatch for
     fn: Callable[[], Any] | None = None
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     enqueued: float = field(default_factory=time.perf_counter)
@@ -55,7 +56,7 @@ class Task:
     def batch_key(self, accumulating_step: int) -> tuple:
         x = self.inputs
         t = self.targets
-        tag = max(self.tag, accumulating_step) if self.kind == BACKWARD else 0
+        tag = max(self.tag, accumulating_step) if self.kind in (FORWARD, BACKWARD) else 0
         return (self.kind, x.dtype, tuple(x.shape[1:]), None if t is None else tuple(t.shape[1:]), tag)
 
 
@@ -92,6 +93,8 @@ class StageExecutor:
         optim: OptimConfig,
         device: torch.device | str = "cpu",
         max_batch_samples: int = 256,
+        predict_params: bool = False,
+        prior_samples: int = 8,
     ) -> None:
         self.built = built
         self.device = torch.device(device)
@@ -114,6 +117,12 @@ class StageExecutor:
         self.samples_discarded = 0
         self.averaging_rounds = 0
         self.fingerprint = self.compute_fingerprint()  # (step, sum, sum of |p|), replaced whole
+        # async look-ahead: microbatches meant for a later update than the next one are computed at
+        # the parameters that update is expected to give (see optim.predicted_params)
+        self.predict_params = predict_params
+        self.prior_samples = prior_samples
+        self._prediction: tuple[tuple[int, int], list[torch.Tensor]] | None = None
+        self.predicted_samples = 0  # samples whose gradient was taken at predicted parameters
 
         self.samples_processed = 0
         self.compute_seconds = 0.0
@@ -140,9 +149,9 @@ class StageExecutor:
         return task.future
 
     def forward(
-        self, inputs: torch.Tensor, targets: torch.Tensor | None = None, validation: bool = False
+        self, inputs: torch.Tensor, targets: torch.Tensor | None = None, validation: bool = False, tag: int = 0
     ) -> concurrent.futures.Future:
-        return self.submit(Task(EVAL if validation else FORWARD, inputs, targets))
+        return self.submit(Task(EVAL if validation else FORWARD, inputs, targets, tag=0 if validation else tag))
 
     def backward(
         self,
@@ -266,7 +275,7 @@ class StageExecutor:
         x = self._cat([t.inputs for t in tasks])
         targets = self._cat([t.targets for t in tasks]) if self.is_last else None
         self.module.train(train)
-        with torch.no_grad():
+        with torch.no_grad(), self._parameters_for(max(tasks[0].tag, self.accumulating_step) if train else 0):
             out = self._call_module(x, targets)
         if not all_finite(out):
             raise NonFiniteError(f"stage {self.built.stage} produced NaN or infinity in its forward pass")
@@ -291,8 +300,9 @@ class StageExecutor:
         grad_out = None if self.is_last else self._cat([t.grad_output for t in tasks])
         if self.inputs_are_float:
             x = x.detach().requires_grad_(True)
+        target_step = max(tasks[0].tag, self.accumulating_step)
         self.module.train(True)
-        with torch.enable_grad():
+        with torch.enable_grad(), self._parameters_for(target_step, 0 if duplicate else x.shape[0]):
             out = self._call_module(x, targets)
             if self.is_last:
                 objective, grad_seed = out.sum(), None
@@ -310,7 +320,6 @@ class StageExecutor:
                 raise NonFiniteError(f"stage {self.built.stage} computed a NaN or infinite gradient; not accumulated")
         if grad_input is not None and not all_finite(grad_input):
             raise NonFiniteError(f"stage {self.built.stage} computed a NaN or infinite input gradient")
-        target_step = max(tasks[0].tag, self.accumulating_step)
         if not duplicate:
             acc = self._acc.get(target_step)
             if acc is None:
@@ -339,6 +348,41 @@ class StageExecutor:
                     elapsed * task.size / max(1, x.shape[0]),
                 )
             )
+
+    @contextlib.contextmanager
+    def _parameters_for(self, step: int, gradient_samples: int = 0) -> Iterator[None]:
+        """Compute a microbatch whose gradient goes into update `step` at the parameters expected just
+        before that update: the current ones if `step` is the next update to apply, else (async
+        look-ahead) the pending update applied with the expected mean gradient."""
+        predicted = self._predicted() if self.predict_params and step > self.step else None
+        if predicted is None:
+            yield
+            return
+        self.predicted_samples += gradient_samples
+        saved = [p.data for p in self.params]
+        for p, q in zip(self.params, predicted, strict=True):
+            p.data = q
+        try:
+            yield
+        finally:
+            for p, d in zip(self.params, saved, strict=True):
+                p.data = d
+
+    def _predicted(self) -> list[torch.Tensor] | None:
+        """The parameters after the pending update `step`, from this peer's gradients for it so far
+        (frozen for averaging or still accumulating), cached until they change."""
+        frozen = self._frozen
+        acc = frozen if frozen is not None and frozen.step == self.step else self._acc.get(self.step)
+        samples = 0 if acc is None or acc.grads is None else acc.samples
+        key = (self.step, samples)
+        if self._prediction is None or self._prediction[0] != key:
+            self._prediction = None  # free the old copy first
+            grad_sum = None if samples == 0 else acc.grads
+            mean = expected_mean_gradient(self.optimizer, grad_sum, samples, self.prior_samples)
+            if mean is None:
+                return None
+            self._prediction = (key, predicted_params(self.optimizer, self.optim_cfg, self.step, mean))
+        return self._prediction[1]
 
     # ---- steps (call these through `call`, or from the compute thread) ----
 
@@ -378,6 +422,7 @@ class StageExecutor:
             p.grad = None
         self.step = step + 1
         self.accumulating_step = max(self.accumulating_step, self.step)
+        self._prediction = None
         if self._frozen is not None and self._frozen.step < self.step:
             self._frozen = None
         self.fingerprint = self.compute_fingerprint()
@@ -414,6 +459,7 @@ class StageExecutor:
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
         self.accumulating_step = self.step
+        self._prediction = None
         if self._frozen is not None and self._frozen.step < self.step:
             self._frozen = None
         self.fingerprint = self.compute_fingerprint()

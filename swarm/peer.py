@@ -245,7 +245,12 @@ class Peer:
         self.serving.state = "joining"
         built = await loop.run_in_executor(None, build_stage, run.model, stage, run.num_stages)
         self.executor = StageExecutor(
-            built, run.optim, self.device, max_batch_samples=max(run.max_batch, run.microbatch)
+            built,
+            run.optim,
+            self.device,
+            max_batch_samples=max(run.max_batch, run.microbatch),
+            predict_params=run.sync == "async" and run.predict_params,
+            prior_samples=max(1, run.global_batch // 4),
         )
         self.serving.stage, self.serving.schema, self.serving.executor = stage, built.schema, self.executor
         self.serving.throughput = 0.0

@@ -78,6 +78,7 @@ class ServingState:
             params_sum=fp_sum,
             params_abs=fp_abs,
             compute_seconds=0.0 if ex is None else ex.compute_seconds,
+            samples_predicted=0 if ex is None else ex.predicted_samples,
         )
 
 
@@ -172,7 +173,7 @@ class StageService:
             schema.input.check(x, "input", self.limits.max_batch)
             t = None if targets is None else targets[offset : offset + n]
             if kind == "forward":
-                result = await asyncio.wrap_future(executor.forward(x, t, validation=msg.validation))
+                result = await asyncio.wrap_future(executor.forward(x, t, validation=msg.validation, tag=int(msg.step)))
                 out = result.output
             else:
                 grad = None if schema.is_last else self._grad(grad, n)

@@ -59,3 +59,25 @@ def test_bench_overheads_quick():
     assert out["cpu_outside_compute_ms_per_call"] >= 0
     assert out["event_loop_profile_top"], "the profile names the top items"
     assert positive(out["trainer_rss_MiB"]["in_flight_16"])
+
+
+def run_staleness_effect(*args: str) -> dict:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "staleness_effect.py"), "--json", "--val-samples", "32", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])["val_loss"]
+
+
+@pytest.mark.timeout(240)
+def test_staleness_effect_modes_differ_only_when_running_ahead():
+    same = run_staleness_effect("--steps", "3", "--run-ahead", "0")
+    assert same["fresh"] == same["stale"] == same["predicted"]
+    ahead = run_staleness_effect("--steps", "3", "--run-ahead", "1", "--known", "0.5")
+    assert all(positive(v) for v in ahead.values())
+    assert ahead["fresh"] == same["fresh"]
+    assert len({ahead["fresh"], ahead["stale"], ahead["predicted"]}) == 3
