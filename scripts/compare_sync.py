@@ -16,8 +16,11 @@ import sys
 
 from local_runs import swarm_local_json  # scripts/, the script's own folder
 
-
-MODES = {"exact": ["--sync", "exact"], "async": ["--sync", "async"], "stale": ["--sync", "async", "--no-predict-params"]}
+MODES = {
+    "exact": ["--sync", "exact"],
+    "async": ["--sync", "async"],
+    "stale": ["--sync", "async", "--no-predict-params"],
+}
 
 
 def run(mode: str, steps: int, extra: list[str]) -> dict:
