@@ -24,6 +24,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# a stage-mate counts as present for a move only if it answered Info this recently (mates are
+# polled every 0.1 s; a killed one fails its next poll at once, a frozen one stops answering)
+MATE_ANSWER_S = 2.0
+
 
 def assignment_from_records(records: dict, num_stages: int) -> list[PeerInfo]:
     """The swarm's current assignment: online peers where they serve, joining peers where they go;
@@ -56,12 +60,18 @@ class PlacementLoop:
         return plan_move(assignment, peer.run.num_stages, peer.cfg.rebalance_threshold, stage_costs=costs)
 
     def _mates_caught_up(self) -> bool:
-        """Leave a stage only to mates that have answered and hold its current state: a mate still
-        joining (or one whose step is unknown) could otherwise be left alone with an old state."""
+        """Leave a stage only to mates that answer now and hold its current state: a mate still
+        joining (or one whose step is unknown) could otherwise be left alone with an old state, and
+        a mate that just died still counts as live for a few seconds (its DHT record, `dead_after`):
+        leaving then would empty the stage. A mate counts only if its latest poll succeeded, recently."""
         peer = self.peer
+        now = time.monotonic()
         mates = [m for m in peer.live_mates() if m.record_state == "online"]
         step = peer.executor.step
-        ok = bool(mates) and all(m.last_info_ok and m.step >= step - 1 for m in mates)
+        ok = bool(mates) and all(
+            m.last_info_ok and m.info_failures == 0 and now - m.last_info_ok < MATE_ANSWER_S and m.step >= step - 1
+            for m in mates
+        )
         if not ok:
             logger.info("not moving yet: the stage-mates have not caught up with step %d", step)
         return ok
@@ -81,6 +91,8 @@ class PlacementLoop:
                 await asyncio.sleep(self.rng.uniform(0.0, 1.0))
                 confirmed = await self.plan()  # fresh records: still this peer, still this move?
                 if confirmed is None or confirmed.peer_id != peer.dht.peer_id or confirmed.dst != move.dst:
+                    continue
+                if not self._mates_caught_up():  # a mate may have died during the pause
                     continue
                 await peer.move_to(move.dst, move.reason, move.before, move.after)
             except Exception:  # noqa: BLE001 - a failed round must not stop rebalancing or the peer

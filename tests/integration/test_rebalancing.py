@@ -103,10 +103,13 @@ def test_peers_move_off_a_crowded_stage_and_recover_after_a_kill(make_swarm):
     moves = [e for e in st["events"] if e["event"] == "move"]
     assert moves and moves[0]["src"] == 0
     assert all(m["seconds"] < 10 for m in moves), moves
-    step_before_kill = progress.latest()
-    # SIGKILL one peer of a stage that holds 2
+
+    # SIGKILL one peer of a stage that holds 2, from a fresh status
+    st = wait_for(status_when(swarm, lambda s: 2 in layout(s)), 60, "a stage of 2 peers")
+    chosen_at = time.time()
     crowded = next(stage for stage in st["stages"] if layout({"stages": [stage]})[0] == 2)
-    victim_id = crowded["peers"][0]["id"]
+    victim_id = next(p["id"] for p in crowded["peers"] if p["state"] == "online")
+    step_before_kill = progress.latest()
     victim = next(p for p in swarm.peers if p.ready["peer_id"] == victim_id)
     victim.send_signal(signal.SIGKILL)
     victim.wait(timeout=10)
@@ -123,7 +126,16 @@ def test_peers_move_off_a_crowded_stage_and_recover_after_a_kill(make_swarm):
     wait_for(lambda: progress.latest() >= step_before_kill + 5, 120, "training to go on after the kill")
     with progress.lock:
         steps = [s for _, s in progress.steps]
-    assert steps == sorted(steps), "the global step never goes back"
+    # Peers here move every 10-20 s (their measured rates are coupled through the shared cores). If
+    # the victim's mate moved away in the instant between the status and the kill, the stage lost
+    # both its peers; without checkpoints it restarts from its initialization: another scenario.
+    mate_left = [
+        e for e in st["events"] if e["event"] == "move" and e["src"] == crowded["index"] and e["time"] > chosen_at - 5
+    ]
+    if not mate_left:
+        assert steps == sorted(steps), "the global step never goes back"
+    else:
+        print("the victim's mate moved away at the kill; the stage restarted:", mate_left)
     for trainer in swarm.trainers:
         assert trainer.alive()
 
