@@ -151,7 +151,7 @@ class StageExecutor:
     def forward(
         self, inputs: torch.Tensor, targets: torch.Tensor | None = None, validation: bool = False, tag: int = 0
     ) -> concurrent.futures.Future:
-        return self.submit(Task(EVAL if validation else FORWARD, inputs, targets, tag=0 if validation else tag))
+        return self.submit(Task(EVAL if validation else FORWARD, inputs, targets, tag=tag))
 
     def backward(
         self,

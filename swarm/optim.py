@@ -64,8 +64,8 @@ def predicted_params(
         raise ValueError(f"{len(mean_grads)} gradients for {len(params)} parameters")
     scale = 1.0
     if cfg.clip_norm > 0:
-        norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in mean_grads])))
-        scale = min(1.0, cfg.clip_norm / (norm + 1e-6))  # clip_grad_norm_'s coefficient
+        norm = float(torch.nn.utils.get_total_norm(mean_grads))  # what clip_grad_norm_ computes
+        scale = min(1.0, cfg.clip_norm / (norm + 1e-6))  # and its coefficient
     lr = lr_at(cfg, step)
     beta1, beta2 = cfg.beta1, cfg.beta2
     out = []
