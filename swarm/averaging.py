@@ -159,8 +159,12 @@ class AveragingConfig:
 @dataclass
 class AveragedGradient:
     mean: list[torch.Tensor]
-    group_size: int
+    members: tuple[str, ...]  # peer ids whose gradients the mean holds
     seconds: float
+
+    @property
+    def group_size(self) -> int:
+        return len(self.members)
 
 
 def round_id(prefix: str, step: int, members: list[str]) -> bytes:
@@ -209,7 +213,7 @@ class StageAverager:
             mean = [t.detach().clone() for t in tensors]
         if not all(all_finite(t) for t in mean):
             raise AveragingFailed(f"averaged gradient for step {step} is not finite (no member had samples?)")
-        return AveragedGradient(mean, len(members), time.monotonic() - start)
+        return AveragedGradient(mean, tuple(members), time.monotonic() - start)
 
     def shutdown(self) -> None:
         try:

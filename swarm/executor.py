@@ -117,6 +117,9 @@ class StageExecutor:
         self.samples_discarded = 0
         self.averaging_rounds = 0
         self.fingerprint = self.compute_fingerprint()  # (step, sum, sum of |p|), replaced whole
+        # (step, peer ids whose gradients it averaged) of the last applied update: travels with the
+        # state so that a peer that downloads it knows whether its own gradient is already in it
+        self.last_update: tuple[int, tuple[str, ...]] = (-1, ())
         # async look-ahead: microbatches meant for a later update than the next one are computed at
         # the parameters that update is expected to give (see optim.predicted_params)
         self.predict_params = predict_params
@@ -411,8 +414,9 @@ class StageExecutor:
         if self._frozen is frozen:
             self._frozen = None
 
-    def apply_mean_gradient(self, mean_grads: list[torch.Tensor], step: int) -> float:
-        """Apply the update for `step` from the mean gradient (already averaged across the stage)."""
+    def apply_mean_gradient(self, mean_grads: list[torch.Tensor], step: int, members: tuple[str, ...] = ()) -> float:
+        """Apply the update for `step` from the mean gradient (already averaged across the stage
+        from the gradients of `members`)."""
         if step != self.step:
             raise RuntimeError(f"update for step {step} applied at step {self.step}")
         for p, g in zip(self.params, mean_grads, strict=True):
@@ -421,6 +425,7 @@ class StageExecutor:
         for p in self.params:
             p.grad = None
         self.step = step + 1
+        self.last_update = (step, tuple(members))
         self.accumulating_step = max(self.accumulating_step, self.step)
         self._prediction = None
         if self._frozen is not None and self._frozen.step < self.step:
@@ -452,12 +457,18 @@ class StageExecutor:
             "step": self.step,
             "model": {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()},
             "optimizer": _clone_tensors(self.optimizer.state_dict()),
+            "last_update": {"step": self.last_update[0], "members": list(self.last_update[1])},
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
+        last = state.get("last_update")
+        if isinstance(last, dict) and isinstance(last.get("step"), int) and isinstance(last.get("members"), list):
+            self.last_update = (last["step"], tuple(str(m) for m in last["members"]))
+        else:  # a checkpoint or peer from before this field: membership unknown
+            self.last_update = (self.step - 1, ())
         self.accumulating_step = self.step
         self._prediction = None
         if self._frozen is not None and self._frozen.step < self.step:

@@ -125,7 +125,7 @@ class StepCoordinator:
                 await self._catch_up(frozen)  # the mates averaged without this peer
                 return
             if not mates or self.averager is None:
-                mean, group = local_mean(frozen.grads, frozen.samples), 1
+                mean, members = local_mean(frozen.grads, frozen.samples), (self.peer_id,)
                 break
             try:
                 avg = await loop.run_in_executor(
@@ -140,17 +140,18 @@ class StepCoordinator:
                 attempts += 1
                 if attempts >= MAX_AVERAGING_ATTEMPTS:
                     logger.error("%s; %d attempts failed, applying this peer's own gradient", e, attempts)
-                    mean, group = local_mean(frozen.grads, frozen.samples), 1
+                    mean, members = local_mean(frozen.grads, frozen.samples), (self.peer_id,)
                     break
                 logger.warning("%s; retrying", e)
                 if self.refresh_view is not None:
                     await self.refresh_view()  # the members may have disagreed on who is in the stage
                 continue
-            mean, group = avg.mean, avg.group_size
+            mean, members = avg.mean, avg.members
             ex.averaging_rounds += 1
             self.last_averaging_s = avg.seconds
             break
-        norm = await asyncio.wrap_future(ex.call(lambda: ex.apply_mean_gradient(mean, frozen.step)))
+        norm = await asyncio.wrap_future(ex.call(lambda: ex.apply_mean_gradient(mean, frozen.step, members)))
+        group = len(members)
         set_context(step=ex.step)
         logger.info(
             "applied update %d: %d samples here, averaged over %d peer(s) in %.2f s (%s; grad norm %.3f)",
@@ -172,12 +173,16 @@ class StepCoordinator:
         if not await self.sync_from_mates():
             # nobody to copy from after all: apply what this peer has and go on
             norm = await asyncio.wrap_future(
-                ex.call(lambda: ex.apply_mean_gradient(local_mean(frozen.grads, frozen.samples), frozen.step))
+                ex.call(lambda: ex.apply_mean_gradient(local_mean(frozen.grads, frozen.samples), frozen.step, (self.peer_id,)))
             )
             logger.warning("could not reach an up-to-date mate; applied own update %d (norm %.3f)", frozen.step, norm)
             return
 
         def carry_over() -> int:
+            if ex.last_update[0] == frozen.step and self.peer_id in ex.last_update[1]:
+                # the mate's round completed with this peer's gradient although this peer's did not
+                # (hivemind: one side received every part, the other not): it is in the update already
+                return -frozen.samples
             if frozen.samples and ex.step - frozen.step <= 1:
                 ex.add_to_accumulator(frozen, ex.step)
                 return 0
@@ -186,7 +191,9 @@ class StepCoordinator:
 
         dropped = await asyncio.wrap_future(ex.call(carry_over))
         set_context(step=ex.step)
-        if dropped:
+        if dropped < 0:
+            logger.info("the downloaded update %d already holds this peer's %d samples", frozen.step, -dropped)
+        elif dropped:
             logger.warning(
                 "dropped %d samples of step %d: the stage is %d steps ahead",
                 dropped,
