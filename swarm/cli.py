@@ -102,7 +102,12 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
         choices=["async", "exact"],
         help="exact: step t+1 starts after every stage applied step t (default async)",
     )
-    g.add_argument("--max-staleness", type=int, help="async: steps a trainer may run ahead (default 1)")
+    g.add_argument(
+        "--max-staleness",
+        type=float,
+        help="async: how far a trainer may run ahead of the slowest stage, in steps' worth of samples; "
+        "fractions allowed (0.5: half of the next step's microbatches start early; default 1)",
+    )
     g.add_argument(
         "--predict-params",
         action=argparse.BooleanOptionalAction,

@@ -60,7 +60,8 @@ class RunConfig:
     microbatch: int = 8  # samples per microbatch
     codec: str = "fp16"  # activations forward and gradients backward
     sync: str = "async"  # "exact": step t+1 starts after every stage applied step t
-    max_staleness: int = 1  # async: steps of samples a trainer may run ahead
+    # async: how far a trainer may run ahead, in steps' worth of its samples (0.5: half of the next step)
+    max_staleness: float = 1.0
     # async: compute run-ahead microbatches at the parameters the pending update is expected to give
     # (its optimizer step on the mean gradient accumulated so far) instead of the current ones
     predict_params: bool = True
@@ -90,8 +91,8 @@ class RunConfig:
                 f"exact mode needs global_batch ({self.global_batch}) to split into whole microbatches "
                 f"({self.microbatch}) for each of {self.num_trainers} trainers"
             )
-        if self.max_staleness < 0:
-            raise ValueError("max_staleness must be >= 0")
+        if not isinstance(self.max_staleness, (int, float)) or not 0 <= self.max_staleness <= 16:
+            raise ValueError(f"max_staleness must be a number in [0, 16], got {self.max_staleness!r}")
         if not isinstance(self.predict_params, bool):
             raise ValueError(f"predict_params must be true or false, got {self.predict_params!r}")
 

@@ -172,9 +172,8 @@ class StepCoordinator:
             frozen = await asyncio.wrap_future(ex.call(ex.take_accumulated))
         if not await self.sync_from_mates():
             # nobody to copy from after all: apply what this peer has and go on
-            norm = await asyncio.wrap_future(
-                ex.call(lambda: ex.apply_mean_gradient(local_mean(frozen.grads, frozen.samples), frozen.step, (self.peer_id,)))
-            )
+            own = local_mean(frozen.grads, frozen.samples)
+            norm = await asyncio.wrap_future(ex.call(lambda: ex.apply_mean_gradient(own, frozen.step, (self.peer_id,))))
             logger.warning("could not reach an up-to-date mate; applied own update %d (norm %.3f)", frozen.step, norm)
             return
 

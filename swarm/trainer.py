@@ -31,6 +31,7 @@ from swarm.config import RunConfig
 from swarm.data import DataConfig, ShardSampler, load_dataset, val_indices
 from swarm.dht import SwarmDHT
 from swarm.log import set_context
+from swarm.pacing import StepPacer
 from swarm.peer import fetch_run_config
 from swarm.procs import PROGRESS_PREFIX, SUMMARY_PREFIX
 from swarm.view import ClientPool, SwarmView
@@ -165,7 +166,7 @@ class Trainer:
             raise ValueError(
                 f"global batch {run.global_batch} is smaller than the number of trainers {self.num_trainers}"
             )
-        self.staleness = 0 if run.sync == "exact" else run.max_staleness
+        self.pacer = StepPacer(self.share, 0.0 if run.sync == "exact" else float(run.max_staleness))
         self.codec = codec_from_name(run.codec)
         data_cfg = run.data if isinstance(run.data, DataConfig) else DataConfig(**run.data)
         self.dataset = await loop.run_in_executor(None, load_dataset, data_cfg, run.model)
@@ -404,27 +405,17 @@ class Trainer:
     # ---- step pacing ----
 
     def _next_microbatch(self, global_step: int | None) -> Microbatch | None:
-        """The next microbatch to start, or None while the staleness bound holds the trainer back.
-
-        Each trainer contributes exactly `share` samples to every step ("tag"); it may work on tags up
-        to global_step + max_staleness (0 in exact mode: step t+1 starts after every stage applied t).
-        """
+        """The next microbatch to start (a retry first), or None while the staleness bound holds the
+        trainer back (swarm.pacing)."""
         if self._retry:
             return self._retry.popleft()
-        g = global_step or 0
-        if self.next_tag < g or self.next_tag > g + self.staleness + 1:
-            # the swarm moved past steps this trainer did not feed, or a stage was restored from an
-            # older checkpoint: feed the step the slowest stage is at
-            self.next_tag, self.tag_left = g, self.share
-        if self.next_tag >= self.target or self.next_tag > g + self.staleness:
+        taken = self.pacer.take(global_step or 0, self.run.microbatch, self.target)
+        if taken is None:
             return None
-        n = min(self.run.microbatch, self.tag_left)
+        tag, n = taken
         indices = [next(self.sampler) for _ in range(n)]
         x, y = self.dataset.train(indices)
-        mb = Microbatch(next(self._mb_ids), indices, x, y, self.next_tag)
-        self.tag_left -= n
-        if self.tag_left == 0:
-            self.next_tag, self.tag_left = self.next_tag + 1, self.share
+        mb = Microbatch(next(self._mb_ids), indices, x, y, tag)
         if self._sample_log is not None:
             self._sample_log.write(json.dumps({"mb": mb.mb_id, "step": mb.step_tag, "indices": indices}) + "\n")
             self._sample_log.flush()
@@ -618,7 +609,7 @@ class Trainer:
                 )
             self.t_start = time.monotonic()
             logger.info("training from step %d to %d (%s mode)", start_step, self.target, self.run.sync)
-            self.next_tag, self.tag_left = start_step, self.share
+            self.pacer.restart(start_step)
             await self._train(self.target)
             train_s = time.monotonic() - self.t_start
             val_loss = None
