@@ -109,6 +109,12 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
         "fractions allowed (0.5: half of the next step's microbatches start early; default 1)",
     )
     g.add_argument(
+        "--ahead-after",
+        type=float,
+        help="async: share of a trainer's samples of a step that must be done before it starts samples "
+        "of the next step while that step is pending (default 0.5; 0: start as soon as the bound allows)",
+    )
+    g.add_argument(
         "--predict-params",
         action=argparse.BooleanOptionalAction,
         help="async: compute microbatches meant for a pending update at the parameters that update is "
@@ -171,7 +177,7 @@ def build_run_config(args: argparse.Namespace, run_id: str, stages: int, num_tra
     fields = {
         k: v for k, v in base.items() if k not in ("model", "data", "optim", "run_id", "num_stages", "num_trainers")
     }
-    for arg in ("global_batch", "microbatch", "codec", "sync", "max_staleness", "predict_params"):
+    for arg in ("global_batch", "microbatch", "codec", "sync", "max_staleness", "ahead_after", "predict_params"):
         if getattr(args, arg) is not None:
             fields[arg] = getattr(args, arg)
     try:

@@ -62,6 +62,9 @@ class RunConfig:
     sync: str = "async"  # "exact": step t+1 starts after every stage applied step t
     # async: how far a trainer may run ahead, in steps' worth of its samples (0.5: half of the next step)
     max_staleness: float = 1.0
+    # async: share of a trainer's samples of step t that must be done before it starts samples of
+    # step t+1 while t is pending (so the look-ahead predicts from at least that much gradient)
+    ahead_after: float = 0.5
     # async: compute run-ahead microbatches at the parameters the pending update is expected to give
     # (its optimizer step on the mean gradient accumulated so far) instead of the current ones
     predict_params: bool = True
@@ -93,6 +96,8 @@ class RunConfig:
             )
         if not isinstance(self.max_staleness, (int, float)) or not 0 <= self.max_staleness <= 16:
             raise ValueError(f"max_staleness must be a number in [0, 16], got {self.max_staleness!r}")
+        if not isinstance(self.ahead_after, (int, float)) or not 0 <= self.ahead_after <= 1:
+            raise ValueError(f"ahead_after must be a share in [0, 1], got {self.ahead_after!r}")
         if not isinstance(self.predict_params, bool):
             raise ValueError(f"predict_params must be true or false, got {self.predict_params!r}")
 

@@ -166,7 +166,10 @@ class Trainer:
             raise ValueError(
                 f"global batch {run.global_batch} is smaller than the number of trainers {self.num_trainers}"
             )
-        self.pacer = StepPacer(self.share, 0.0 if run.sync == "exact" else float(run.max_staleness))
+        exact = run.sync == "exact"
+        self.pacer = StepPacer(
+            self.share, 0.0 if exact else float(run.max_staleness), 0.0 if exact else float(run.ahead_after)
+        )
         self.codec = codec_from_name(run.codec)
         data_cfg = run.data if isinstance(run.data, DataConfig) else DataConfig(**run.data)
         self.dataset = await loop.run_in_executor(None, load_dataset, data_cfg, run.model)
@@ -430,9 +433,11 @@ class Trainer:
                 raise
             self.stats.microbatches_completed += 1
             self.stats.samples += mb.samples
+            self.pacer.done(mb.step_tag, mb.samples)
             return True
         except MicrobatchRejected as e:
             self.stats.microbatches_rejected += 1
+            self.pacer.done(mb.step_tag, mb.samples)  # given up: waiting for it would stall the pacing
             logger.error("microbatch %d dropped: %s", mb.mb_id, e)
             if self.run.sync == "exact":
                 raise

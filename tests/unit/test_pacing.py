@@ -44,3 +44,22 @@ def test_restarts_at_the_global_step_when_the_swarm_moved_on_or_back():
     _drain(pacer, 0)
     assert pacer.take(5, 8, 100) == (5, 8)  # steps 2-4 went by without this trainer
     assert pacer.take(2, 8, 100) == (2, 8)  # a stage restored an older checkpoint: 5 > 2 + 1 + 1
+
+
+def test_run_ahead_waits_until_half_of_the_pending_step_is_done():
+    pacer = StepPacer(share=32, staleness=1, ahead_after=0.5)
+    assert _drain(pacer, 0) == [(0, 8)] * 4  # step 0 itself is never held back
+    pacer.done(0, 8)
+    assert _drain(pacer, 0) == []  # a quarter of step 0 done: the look-ahead would guess from too little
+    pacer.done(0, 8)
+    assert _drain(pacer, 0) == [(1, 8)] * 4  # half done: all of step 1 may start
+    assert _drain(pacer, 1) == []  # step 1 pending, none of it done
+    pacer.done(1, 16)
+    assert _drain(pacer, 1) == [(2, 8)] * 4
+
+
+def test_bad_pacing_is_refused():
+    with pytest.raises(ValueError):
+        StepPacer(share=32, staleness=1, ahead_after=1.5)
+    with pytest.raises(ValueError):
+        StepPacer(share=0, staleness=1)
