@@ -23,6 +23,9 @@ def test_round_trip_json_and_size():
         (dict(microbatch=0), "batch"),
         (dict(sync="exact", global_batch=30, microbatch=8, num_trainers=2), "exact mode"),
         (dict(model={"kind": "gpt", "n_layers": 2}, num_stages=3), "split"),
+        (dict(max_staleness=-0.5), "max_staleness"),
+        (dict(max_staleness="1"), "max_staleness"),
+        (dict(ahead_after=2), "ahead_after"),
     ],
 )
 def test_invalid_configs(kwargs, match):
