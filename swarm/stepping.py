@@ -177,27 +177,27 @@ class StepCoordinator:
             logger.warning("could not reach an up-to-date mate; applied own update %d (norm %.3f)", frozen.step, norm)
             return
 
-        def carry_over() -> int:
+        def carry_over() -> str:
             if ex.last_update[0] == frozen.step and self.peer_id in ex.last_update[1]:
                 # the mate's round completed with this peer's gradient although this peer's did not
                 # (hivemind: one side received every part, the other not): it is in the update already
-                return -frozen.samples
+                return "included"
             if frozen.samples and ex.step - frozen.step <= 1:
                 ex.add_to_accumulator(frozen, ex.step)
-                return 0
+                return "carried"
             ex.samples_discarded += frozen.samples
-            return frozen.samples
+            return "dropped"
 
-        dropped = await asyncio.wrap_future(ex.call(carry_over))
+        outcome = await asyncio.wrap_future(ex.call(carry_over))
         set_context(step=ex.step)
-        if dropped < 0:
-            logger.info("the downloaded update %d already holds this peer's %d samples", frozen.step, -dropped)
-        elif dropped:
+        if outcome == "included":
+            logger.info("the downloaded update %d already holds this peer's %d samples", frozen.step, frozen.samples)
+        elif outcome == "dropped" and frozen.samples:
             logger.warning(
                 "dropped %d samples of step %d: the stage is %d steps ahead",
-                dropped,
+                frozen.samples,
                 frozen.step,
                 ex.step - frozen.step,
             )
-        elif frozen.samples:
+        elif outcome == "carried":
             logger.info("carried %d samples of step %d into step %d", frozen.samples, frozen.step, ex.step)
