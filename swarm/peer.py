@@ -499,7 +499,19 @@ class Peer:
 
     async def shutdown(self) -> None:
         """Drain in-flight work, save a last checkpoint, announce offline explicitly, stop everything."""
-        logger.info("shutting down")
+        ex = self.executor
+        if ex is not None:
+            logger.info(
+                "shutting down at step %d: %d samples back-propagated, %d of them at predicted parameters, "
+                "%d discarded, %d averaging rounds",
+                ex.step,
+                ex.samples_processed,
+                ex.predicted_samples,
+                ex.samples_discarded,
+                ex.averaging_rounds,
+            )
+        else:
+            logger.info("shutting down")
         if self.dht is not None and self.executor is not None:
             self.events.append(json.dumps({"time": round(time.time(), 3), "event": "leave", "stage": self.stage}))
             await asyncio.get_running_loop().run_in_executor(None, self._publish_events, list(self.events), 600.0)
