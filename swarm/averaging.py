@@ -162,10 +162,6 @@ class AveragedGradient:
     members: tuple[str, ...]  # peer ids whose gradients the mean holds
     seconds: float
 
-    @property
-    def group_size(self) -> int:
-        return len(self.members)
-
 
 def round_id(prefix: str, step: int, members: list[str]) -> bytes:
     """The same id on every member that sees the same group for the same update (no attempt
