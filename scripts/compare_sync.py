@@ -16,6 +16,7 @@ import argparse
 import json
 import statistics
 import sys
+from pathlib import Path
 
 from local_runs import swarm_local_json  # scripts/, the script's own folder
 
@@ -26,10 +27,10 @@ MODES = {
 }
 
 
-def run(mode: str, steps: int, seed: int, extra: list[str]) -> dict:
+def run(mode: str, steps: int, seed: int, extra: list[str], log_root: str | None) -> dict:
     args = [*MODES[mode], "--steps", str(steps), "--seed", str(seed), *extra]
     print(f"swarm local {' '.join(args)} ...", file=sys.stderr, flush=True)
-    result = swarm_local_json(args)
+    result = swarm_local_json(args, log_dir=None if log_root is None else str(Path(log_root, f"{mode}-seed{seed}")))
     print(f"  val loss {result['val_loss']:.4f}, {result['samples_per_s']:.1f} samples/s", file=sys.stderr, flush=True)
     return result
 
@@ -40,6 +41,7 @@ def main() -> int:
     parser.add_argument("--seeds", default="0", help="comma-separated seeds; every mode runs once per seed")
     parser.add_argument("--stale", action="store_true", help="also run async without look-ahead")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
+    parser.add_argument("--log-root", help="keep each run's logs in LOG_ROOT/MODE-seedN (default: discarded)")
     parser.add_argument("extra", nargs="*", help="more `swarm local` arguments (after --)")
     args = parser.parse_args()
     try:
@@ -48,7 +50,7 @@ def main() -> int:
         parser.error(f"--seeds must be comma-separated integers, got {args.seeds!r}")
     modes = ("exact", "async", "stale") if args.stale else ("exact", "async")
     # modes interleaved per seed, so that the machine's load drifts over all of them alike
-    runs = {seed: {mode: run(mode, args.steps, seed, args.extra) for mode in modes} for seed in seeds}
+    runs = {seed: {mode: run(mode, args.steps, seed, args.extra, args.log_root) for mode in modes} for seed in seeds}
     mean_loss = {m: statistics.fmean(runs[s][m]["val_loss"] for s in seeds) for m in modes}
     mean_rate = {m: statistics.fmean(runs[s][m]["samples_per_s"] for s in seeds) for m in modes}
     out = {

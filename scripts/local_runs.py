@@ -11,9 +11,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def swarm_local_json(args: list[str], timeout: float = 3600) -> dict:
-    """Run `swarm local --json ARGS` (logs in a temporary folder) and return its last-line summary."""
-    with tempfile.TemporaryDirectory() as logs:
+def swarm_local_json(args: list[str], timeout: float = 3600, log_dir: str | None = None) -> dict:
+    """Run `swarm local --json ARGS` (logs in `log_dir`, else a temporary folder) and return its
+    last-line summary."""
+    with tempfile.TemporaryDirectory() as tmp:
+        logs = log_dir or tmp
         proc = subprocess.run(
             [sys.executable, "-m", "swarm.cli", "local", "--json", "--log-dir", logs, *args],
             capture_output=True,

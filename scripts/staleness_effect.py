@@ -49,7 +49,9 @@ def summed_grads(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> list
     return [p.grad.clone() for p in net.parameters() if p.requires_grad]
 
 
-def train(run: RunConfig, dataset, steps: int, mode: str, ahead: float, known: float, val_idx: list[int]) -> float:
+def train(
+    run: RunConfig, dataset, steps: int, mode: str, ahead: float, known: float, val_idx: list[int], sync_first: int = 0
+) -> float:
     """`steps` updates of `run.global_batch` samples; returns the validation loss."""
     spec = {k: v for k, v in run.model.items() if k != "kind"}
     model = GPT(GPTConfig(**spec))
@@ -67,7 +69,7 @@ def train(run: RunConfig, dataset, steps: int, mode: str, ahead: float, known: f
         (x, y), batch = batch, dataset.train([next(sampler) for _ in range(B)])
         parts = {c: carried.get(c) or summed_grads(model, x[c[0] : c[1]], y[c[0] : c[1]]) for c in chunks}
         carried = {}
-        if n_ahead and step + 1 < steps:
+        if n_ahead and sync_first <= step + 1 < steps:
             net = model
             if mode == "predicted":
                 known_sum = [sum(gs) for gs in zip(*(parts[c] for c in chunks if c[1] <= n_known), strict=True)]
@@ -96,6 +98,8 @@ def main() -> int:
     parser.add_argument("--global-batch", type=int, default=32)
     parser.add_argument("--run-ahead", type=float, default=0.5, help="share of each batch started a step early")
     parser.add_argument("--known", type=float, default=0.5, help="share of a batch's gradient known at that time")
+    parser.add_argument("--lr", type=float, default=OptimConfig.lr, help="peak learning rate")
+    parser.add_argument("--sync-first", type=int, default=0, help="steps at the start that nothing runs ahead of")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     parser.add_argument("--val-samples", type=int, default=256)
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
@@ -104,7 +108,8 @@ def main() -> int:
     if not set(modes) <= set(MODES) or not 0 <= args.run_ahead <= 1 or not 0 < args.known <= 1:
         parser.error("bad --modes, --run-ahead (0..1) or --known (0..1]")
     torch.set_num_threads(2)
-    run = RunConfig(run_id="staleness", global_batch=args.global_batch, optim=OptimConfig(total_steps=args.steps))
+    optim = OptimConfig(lr=args.lr, total_steps=args.steps)
+    run = RunConfig(run_id="staleness", global_batch=args.global_batch, optim=optim)
     dataset = load_dataset(run.data, run.model)
     val_idx = val_indices(dataset, args.val_samples)
     started = time.perf_counter()
@@ -114,7 +119,7 @@ def main() -> int:
     )
     losses: dict[str, float] = {}
     for mode in modes:
-        losses[mode] = train(run, dataset, args.steps, mode, args.run_ahead, args.known, val_idx)
+        losses[mode] = train(run, dataset, args.steps, mode, args.run_ahead, args.known, val_idx, args.sync_first)
         rel = f" ({100 * (losses[mode] / losses['fresh'] - 1):+.1f}%)" if "fresh" in losses else ""
         print(f"  {mode:<10} val loss {losses[mode]:.4f}{rel}", flush=True)
     out = {
@@ -122,6 +127,8 @@ def main() -> int:
         "global_batch": args.global_batch,
         "run_ahead": args.run_ahead,
         "known": args.known,
+        "sync_first": args.sync_first,
+        "lr": args.lr,
         "val_loss": losses,
         "rel_to_fresh": {m: v / losses["fresh"] - 1 for m, v in losses.items()} if "fresh" in losses else {},
         "wall_s": time.perf_counter() - started,

@@ -126,6 +126,10 @@ class StageExecutor:
         self.prior_samples = prior_samples
         self._prediction: tuple[tuple[int, int], list[torch.Tensor]] | None = None
         self.predicted_samples = 0  # samples whose gradient was taken at predicted parameters
+        # stage-mates' gradient sums for the pending update (peer id -> sum), fetched by
+        # swarm.partials, so that the prediction uses every gradient the stage holds, not only ours
+        self._mate_partials: dict[str, Accumulated] = {}
+        self.predictions_with_mates = 0  # predictions that included mates' gradients
 
         self.samples_processed = 0
         self.compute_seconds = 0.0
@@ -371,21 +375,60 @@ class StageExecutor:
             for p, d in zip(self.params, saved, strict=True):
                 p.data = d
 
-    def _predicted(self) -> list[torch.Tensor] | None:
-        """The parameters after the pending update `step`, from this peer's gradients for it so far
-        (frozen for averaging or still accumulating), cached until they change."""
+    def _pending_accumulator(self) -> Accumulated | None:
+        """This peer's gradients for the pending update `step`, frozen for averaging or not."""
         frozen = self._frozen
-        acc = frozen if frozen is not None and frozen.step == self.step else self._acc.get(self.step)
+        return frozen if frozen is not None and frozen.step == self.step else self._acc.get(self.step)
+
+    def _predicted(self) -> list[torch.Tensor] | None:
+        """The parameters after the pending update `step`, from the stage's gradients for it so far
+        (this peer's, frozen for averaging or still accumulating, and its mates' last known sums),
+        cached until they change."""
+        acc = self._pending_accumulator()
         samples = 0 if acc is None or acc.grads is None else acc.samples
-        key = (self.step, samples)
+        mates = sorted(
+            (pid, m) for pid, m in self._mate_partials.items() if m.step == self.step and m.samples and m.grads
+        )
+        key = (self.step, samples, tuple((pid, m.samples) for pid, m in mates))
         if self._prediction is None or self._prediction[0] != key:
             self._prediction = None  # free the old copy first
             grad_sum = None if samples == 0 else acc.grads
-            mean = expected_mean_gradient(self.optimizer, grad_sum, samples, self.prior_samples)
+            total = samples + sum(m.samples for _, m in mates)
+            if mates:
+                self.predictions_with_mates += 1
+                grad_sum = [
+                    (torch.zeros_like(p) if samples == 0 else own.clone())
+                    for p, own in zip(self.params, grad_sum or self.params, strict=True)
+                ]
+                for _, m in mates:
+                    for buf, g in zip(grad_sum, m.grads, strict=True):
+                        buf.add_(g.to(buf.device, buf.dtype))
+            mean = expected_mean_gradient(self.optimizer, grad_sum, total, self.prior_samples)
             if mean is None:
                 return None
             self._prediction = (key, predicted_params(self.optimizer, self.optim_cfg, self.step, mean))
         return self._prediction[1]
+
+    def partial_gradient(self, step: int) -> Accumulated | None:
+        """A bfloat16 copy of this peer's own gradient sum for the pending update `step`, for its
+        stage-mates' look-ahead (compute thread only); None when `step` is not pending here."""
+        if step != self.step:
+            return None
+        acc = self._pending_accumulator()
+        if acc is None or acc.grads is None or acc.samples == 0:
+            return Accumulated(None, 0, step)
+        return Accumulated([g.detach().to("cpu", torch.bfloat16) for g in acc.grads], acc.samples, step)
+
+    def set_mate_partial(self, peer_id: str, partial: Accumulated) -> bool:
+        """Keep a stage-mate's gradient sum for the pending update (compute thread only). The caller
+        checked shapes and finiteness; a sum for another step than the pending one is ignored."""
+        self._mate_partials = {k: v for k, v in self._mate_partials.items() if v.step == self.step}
+        if partial.step != self.step:
+            return False
+        if partial.grads is not None and len(partial.grads) != len(self.params):
+            raise ValueError(f"partial gradient has {len(partial.grads)} tensors, the stage {len(self.params)}")
+        self._mate_partials[peer_id] = partial
+        return True
 
     # ---- steps (call these through `call`, or from the compute thread) ----
 
@@ -428,6 +471,7 @@ class StageExecutor:
         self.last_update = (step, tuple(members))
         self.accumulating_step = max(self.accumulating_step, self.step)
         self._prediction = None
+        self._mate_partials = {}  # sums for the update just applied (or skipped)
         if self._frozen is not None and self._frozen.step < self.step:
             self._frozen = None
         self.fingerprint = self.compute_fingerprint()
@@ -471,6 +515,7 @@ class StageExecutor:
             self.last_update = (self.step - 1, ())
         self.accumulating_step = self.step
         self._prediction = None
+        self._mate_partials = {}  # sums for the update just applied (or skipped)
         if self._frozen is not None and self._frozen.step < self.step:
             self._frozen = None
         self.fingerprint = self.compute_fingerprint()

@@ -31,6 +31,7 @@ from swarm.dht import Announcer, PeerRecord, SwarmDHT
 from swarm.executor import StageExecutor
 from swarm.log import set_context
 from swarm.models import build_stage
+from swarm.partials import MatePartials
 from swarm.placement import PlacementLoop
 from swarm.procs import READY_PREFIX
 from swarm.rebalance import join_stage
@@ -135,6 +136,7 @@ class Peer:
         self.stage_lock = asyncio.Lock()  # held by each update, and by a move for its whole length
         self.events: collections.deque[str] = collections.deque(maxlen=16)
         self.last_placement = time.monotonic()  # when this peer last joined or moved
+        self.partials: MatePartials | None = None  # async look-ahead: mates' gradient sums
 
     # ---- records ----
 
@@ -198,6 +200,17 @@ class Peer:
         self.announcer = Announcer(self._publish, cfg.announce_period, cfg.record_ttl, name="peer-announcer").start()
         self.view.start(poll_stages={self.stage})
         self._tasks = [asyncio.create_task(self._step_loop()), asyncio.create_task(self._config_keeper())]
+        if run.sync == "async" and run.predict_params:
+            self.partials = MatePartials(
+                lambda: self.executor,
+                self.live_mates,
+                self.clients,
+                run.run_id,
+                lambda: self.stage,
+                interval=cfg.mates_poll_interval,
+                max_bytes=cfg.max_message_mb << 22,
+            )
+            self._tasks.append(asyncio.create_task(self.partials.run()))
         if cfg.rebalance:
             self._tasks.append(asyncio.create_task(PlacementLoop(self).run()))
         self.event("join", stage=self.stage, step=self.executor.step, throughput=round(self.serving.throughput, 2))
@@ -503,12 +516,15 @@ class Peer:
         if ex is not None:
             logger.info(
                 "shutting down at step %d: %d samples back-propagated, %d of them at predicted parameters, "
-                "%d discarded, %d averaging rounds",
+                "%d discarded, %d averaging rounds; %d partial gradients fetched from mates, %d predictions "
+                "used them",
                 ex.step,
                 ex.samples_processed,
                 ex.predicted_samples,
                 ex.samples_discarded,
                 ex.averaging_rounds,
+                0 if self.partials is None else self.partials.fetches,
+                ex.predictions_with_mates,
             )
         else:
             logger.info("shutting down")

@@ -19,6 +19,7 @@ import torch
 from swarm.checks import all_finite
 from swarm.executor import NonFiniteError, StageExecutor
 from swarm.models import StageSchema
+from swarm.partials import PartialUnavailable, partial_chunks
 from swarm.wire import codec, messages
 from swarm.wire.codec import MessageTooLarge, WireError
 from swarm.wire.options import MiB, channel_options
@@ -367,7 +368,10 @@ class StageService:
             yield message
 
     async def get_state(self, raw: bytes, context) -> AsyncIterator[bytes]:
-        request = messages.parse(pb.StateRequest, raw)
+        try:
+            request = messages.parse(pb.StateRequest, raw)
+        except WireError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         provider = self.serving.state_provider
         if request.run_id != self.serving.run_id or request.stage != self.serving.stage:
             await context.abort(
@@ -379,6 +383,25 @@ class StageService:
         async for chunk in provider():
             yield chunk
 
+    async def get_partial_gradient(self, raw: bytes, context) -> AsyncIterator[bytes]:
+        try:
+            request = messages.parse(pb.PartialRequest, raw)
+        except WireError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        executor = self.serving.executor
+        if request.run_id != self.serving.run_id or request.stage != self.serving.stage:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this peer serves run {self.serving.run_id} stage {self.serving.stage}",
+            )
+        if executor is None or self.serving.state not in ("online", "draining"):
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this peer has no gradient to share now")
+        try:
+            async for chunk in partial_chunks(executor, request.step):
+                yield chunk
+        except PartialUnavailable as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(
             SERVICE,
@@ -389,6 +412,7 @@ class StageService:
                 "ForwardStream": grpc.stream_stream_rpc_method_handler(self.forward_stream),
                 "BackwardStream": grpc.stream_stream_rpc_method_handler(self.backward_stream),
                 "GetState": grpc.unary_stream_rpc_method_handler(self.get_state),
+                "GetPartialGradient": grpc.unary_stream_rpc_method_handler(self.get_partial_gradient),
             },
         )
 

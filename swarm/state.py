@@ -96,24 +96,31 @@ async def state_chunks(data: bytes, step: int) -> AsyncIterator[bytes]:
         yield pb.Chunk(data=data[start : start + CHUNK_BYTES]).SerializeToString()
 
 
-async def download(client, run_id: str, stage: int, timeout: float, max_bytes: int) -> dict:
-    """Fetch a stage's state from one peer and check it arrived whole (size and sha256)."""
+async def receive_blob(stream: AsyncIterator[bytes], max_bytes: int, what: str = "state") -> tuple[dict, bytes]:
+    """Read what `state_chunks` streams and check it arrived whole (size and sha256)."""
     header, buf = None, bytearray()
-    async for raw in client.get_state(pb.StateRequest(run_id=run_id, stage=stage), timeout=timeout):
+    async for raw in stream:
         chunk = pb.Chunk.FromString(raw)
         if header is None:
             header = json.loads(chunk.header or b"{}")
             if not isinstance(header.get("bytes"), int) or header["bytes"] > max_bytes:
-                raise StateError(f"state header announces {header.get('bytes')} bytes (limit {max_bytes})")
+                raise StateError(f"{what} header announces {header.get('bytes')} bytes (limit {max_bytes})")
             continue
         buf += chunk.data
         if len(buf) > header["bytes"]:
-            raise StateError("state stream carries more bytes than announced")
+            raise StateError(f"{what} stream carries more bytes than announced")
     if header is None or len(buf) != header["bytes"]:
-        raise StateError(f"state stream ended after {len(buf)} of {None if header is None else header['bytes']} bytes")
+        raise StateError(f"{what} stream ended after {len(buf)} of {None if header is None else header['bytes']} bytes")
     if hashlib.sha256(buf).hexdigest() != header.get("sha256"):
-        raise StateError("state checksum mismatch")
-    state = deserialize(bytes(buf))
+        raise StateError(f"{what} checksum mismatch")
+    return header, bytes(buf)
+
+
+async def download(client, run_id: str, stage: int, timeout: float, max_bytes: int) -> dict:
+    """Fetch a stage's state from one peer and check it arrived whole (size and sha256)."""
+    stream = client.get_state(pb.StateRequest(run_id=run_id, stage=stage), timeout=timeout)
+    header, data = await receive_blob(stream, max_bytes)
+    state = deserialize(data)
     if state["step"] != header.get("step"):
         raise StateError(f"state step {state['step']} differs from its header's {header.get('step')}")
     return state

@@ -45,6 +45,7 @@ class StageClient:
             "backward": self.channel.stream_stream("/swarm.Stage/BackwardStream"),
         }
         self._get_state = self.channel.unary_stream("/swarm.Stage/GetState", request_serializer=ser)
+        self._get_partial = self.channel.unary_stream("/swarm.Stage/GetPartialGradient", request_serializer=ser)
 
     async def info(self, timeout: float) -> pb.InfoResponse:
         return await self._info(pb.InfoRequest(), timeout=timeout)
@@ -67,6 +68,9 @@ class StageClient:
 
     def get_state(self, request: pb.StateRequest, timeout: float) -> AsyncIterator[bytes]:
         return self._get_state(request, timeout=timeout)
+
+    def get_partial_gradient(self, request: pb.PartialRequest, timeout: float) -> AsyncIterator[bytes]:
+        return self._get_partial(request, timeout=timeout)
 
     async def close(self) -> None:
         await self.channel.close(grace=None)

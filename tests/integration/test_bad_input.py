@@ -6,6 +6,7 @@ import grpc
 import pytest
 import torch
 
+from swarm.config import OptimConfig
 from swarm.wire import codec, stream
 from swarm.wire.options import channel_options
 from swarm.wire.protocol import pb
@@ -163,3 +164,47 @@ def test_bad_backward_and_stream_requests(two_stage_swarm):
     code, details = call(addr0, "BackwardStream", msgs, stream=True)
     assert code == grpc.StatusCode.OK, details
     assert info(addr0).samples_accumulated == 2
+
+
+def test_partial_gradient_requests(two_stage_swarm):
+    """GetPartialGradient (async look-ahead): bad requests get clear errors, a good one the peer's
+    sum for its pending update, which the peer-side check accepts."""
+    from swarm.executor import StageExecutor
+    from swarm.models import build_stage
+    from swarm.partials import decode_partial
+    from swarm.state import receive_blob
+
+    swarm = two_stage_swarm
+    addr0 = next(p.ready["address"] for p in swarm.peers if p.ready["stage"] == 0)
+
+    def get(payload: bytes):
+        async def go():
+            async with grpc.aio.insecure_channel(addr0, options=channel_options(64 << 20)) as channel:
+                stream = channel.unary_stream("/swarm.Stage/GetPartialGradient")(payload, timeout=20)
+                try:
+                    return grpc.StatusCode.OK, await receive_blob(stream, 64 << 20, "partial gradient")
+                except grpc.aio.AioRpcError as e:
+                    return e.code(), e.details() or ""
+
+        return asyncio.run(go())
+
+    step = info(addr0).step
+    for payload, code, needle in (
+        (b"\x12\xff\xfe garbage", grpc.StatusCode.INVALID_ARGUMENT, "malformed"),
+        (pb.PartialRequest(run_id="other", stage=0, step=step), grpc.StatusCode.FAILED_PRECONDITION, "run"),
+        (pb.PartialRequest(run_id=swarm.run_id, stage=1, step=step), grpc.StatusCode.FAILED_PRECONDITION, "stage"),
+        (pb.PartialRequest(run_id=swarm.run_id, stage=0, step=step + 5), grpc.StatusCode.FAILED_PRECONDITION, "not"),
+    ):
+        raw = payload if isinstance(payload, bytes) else payload.SerializeToString()
+        got, details = get(raw)
+        assert got == code and needle in details, (got, details)
+    # a good request: the sum of what the peer holds for its pending update
+    got, (header, data) = get(pb.PartialRequest(run_id=swarm.run_id, stage=0, step=step).SerializeToString())
+    assert got == grpc.StatusCode.OK and header["step"] == step
+    ex = StageExecutor(build_stage(TINY_GPT, 0, 2), OptimConfig())
+    try:
+        partial = decode_partial(data, ex.params, step)
+    finally:
+        ex.stop()
+    assert partial.samples == info(addr0).samples_accumulated
+    assert all(p.alive() for p in swarm.peers) and info(addr0).state == "online"

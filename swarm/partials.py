@@ -1,0 +1,164 @@
+"""Async look-ahead: stage-mates share their gradient sums for the pending update.
+
+Each peer of a stage holds the gradients of the microbatches routed to it, so with two mates each
+holds about half of what the stage knows about the pending update. The look-ahead
+(`StageExecutor._predicted`) predicts that update from the gradients at hand, and a prediction from
+a quarter of a batch costs far more than one from half (scripts/staleness_effect.py). So a peer
+fetches a mate's sum (`GetPartialGradient`, bfloat16) whenever the mate's `Info` shows more samples
+for the pending update than the peer last fetched from it, and predicts from all of them. The
+update itself still comes from the stage's all-reduce (swarm.averaging): a partial sum only ever
+moves a prediction, so a lost or late one costs accuracy of the look-ahead, nothing else.
+
+Cost: per mate and change of its sum, one transfer of the stage's gradient in bfloat16 (half the
+bytes the all-reduce moves) and one such copy in memory per mate until the update is applied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
+
+import grpc
+import torch
+
+from swarm.checks import all_finite
+from swarm.executor import Accumulated, StageExecutor
+from swarm.state import StateError, receive_blob, state_chunks
+from swarm.wire.protocol import pb
+
+if TYPE_CHECKING:  # the peer side only; the server imports this module too
+    from swarm.view import ClientPool, PeerStatus
+
+logger = logging.getLogger(__name__)
+
+
+class PartialUnavailable(Exception):
+    """The requested update is not the one pending on this peer."""
+
+
+def encode_partial(partial: Accumulated) -> bytes:
+    buf = io.BytesIO()
+    torch.save({"step": partial.step, "samples": partial.samples, "grads": partial.grads}, buf)
+    return buf.getvalue()
+
+
+def decode_partial(data: bytes, params: list[torch.Tensor], step: int) -> Accumulated:
+    """Decode and check a mate's sum: the step asked for, a sample count, one finite float tensor
+    of each parameter's shape. Raises StateError on anything else."""
+    try:
+        obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any decoding failure is a bad message
+        raise StateError(f"cannot decode partial gradient: {e}") from None
+    if not isinstance(obj, dict) or obj.get("step") != step:
+        got = obj.get("step") if isinstance(obj, dict) else type(obj).__name__
+        raise StateError(f"partial gradient is for step {got!r}, asked for {step}")
+    samples, grads = obj.get("samples"), obj.get("grads")
+    if not isinstance(samples, int) or samples < 0:
+        raise StateError(f"partial gradient sample count {samples!r} is not a non-negative int")
+    if samples == 0:
+        return Accumulated(None, 0, step)
+    if not isinstance(grads, list) or len(grads) != len(params):
+        count = len(grads) if isinstance(grads, list) else "?"
+        raise StateError(f"partial gradient has {count} tensors, want {len(params)}")
+    for g, p in zip(grads, params, strict=True):
+        if not isinstance(g, torch.Tensor) or not g.is_floating_point() or g.shape != p.shape:
+            raise StateError(f"partial gradient tensor {getattr(g, 'shape', None)} does not fit {tuple(p.shape)}")
+        if not all_finite(g):
+            raise StateError("partial gradient holds NaN or infinite values")
+    return Accumulated(grads, samples, step)
+
+
+async def partial_chunks(executor: StageExecutor, step: int) -> AsyncIterator[bytes]:
+    """What GetPartialGradient streams: this peer's own sum for `step`, taken between batches."""
+    partial = await asyncio.wrap_future(executor.call(lambda: executor.partial_gradient(step)))
+    if partial is None:
+        raise PartialUnavailable(f"step {step} is not pending here (this peer is at step {executor.step})")
+    data = await asyncio.get_running_loop().run_in_executor(None, encode_partial, partial)
+    async for chunk in state_chunks(data, step):
+        yield chunk
+
+
+class MatePartials:
+    """Keeps the executor supplied with its live mates' latest sums for the pending update."""
+
+    def __init__(
+        self,
+        executor: Callable[[], StageExecutor | None],
+        live_mates: Callable[[], list[PeerStatus]],
+        clients: ClientPool,
+        run_id: str,
+        stage: Callable[[], int],
+        interval: float = 0.1,
+        timeout: float = 5.0,
+        max_bytes: int = 1 << 30,
+    ) -> None:
+        self.executor, self.live_mates, self.clients = executor, live_mates, clients
+        self.run_id, self.stage = run_id, stage
+        self.interval, self.timeout, self.max_bytes = interval, timeout, max_bytes
+        self.fetched: dict[str, tuple[int, int]] = {}  # peer id -> (step, samples) last installed
+        self.fetches = 0
+        self.failures = 0
+        self._in_flight: set[str] = set()
+        self._backoff: dict[str, tuple[float, float]] = {}  # peer id -> (retry after, delay)
+        self._tasks: set[asyncio.Task] = set()
+
+    async def run(self) -> None:
+        try:
+            while True:
+                await asyncio.sleep(self.interval)
+                self.poll()
+        finally:
+            for task in list(self._tasks):
+                task.cancel()
+
+    def poll(self) -> None:
+        """Start a fetch from each mate at our pending step that holds more samples than we have."""
+        ex = self.executor()
+        if ex is None or not ex.predict_params:
+            return
+        now = time.monotonic()
+        for mate in self.live_mates():
+            pid = mate.peer_id
+            if pid in self._in_flight or mate.record_state != "online" or mate.step != ex.step:
+                continue
+            if now < self._backoff.get(pid, (0.0, 0.0))[0]:
+                continue
+            step, samples = self.fetched.get(pid, (-1, 0))
+            if mate.samples_accumulated <= (samples if step == ex.step else 0):
+                continue
+            self._in_flight.add(pid)
+            task = asyncio.create_task(self._fetch(mate, ex, ex.step))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _fetch(self, mate: PeerStatus, ex: StageExecutor, step: int) -> None:
+        pid = mate.peer_id
+        try:
+            request = pb.PartialRequest(run_id=self.run_id, stage=self.stage(), step=step)
+            stream = self.clients.get(mate.load.address).get_partial_gradient(request, timeout=self.timeout)
+            _, data = await receive_blob(stream, self.max_bytes, "partial gradient")
+            loop = asyncio.get_running_loop()
+            partial = await loop.run_in_executor(None, decode_partial, data, ex.params, step)
+            if ex is not self.executor():
+                return  # this peer moved to another stage meanwhile
+            if await asyncio.wrap_future(ex.call(lambda: ex.set_mate_partial(pid, partial))):
+                self.fetched[pid] = (step, partial.samples)
+                self.fetches += 1
+            self._backoff.pop(pid, None)
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.FAILED_PRECONDITION:  # else the mate merely moved on a step
+                self._failed(pid, f"{e.code().name}: {(e.details() or '')[:120]}")
+        except StateError as e:
+            self._failed(pid, str(e))
+        finally:
+            self._in_flight.discard(pid)
+
+    def _failed(self, pid: str, why: str) -> None:
+        self.failures += 1
+        delay = min(30.0, 2 * self._backoff.get(pid, (0.0, 0.5))[1])
+        self._backoff[pid] = (time.monotonic() + delay, delay)
+        logger.warning("partial gradient from mate %s refused (%s); next try in %.0f s", pid[-6:], why, delay)

@@ -1,0 +1,103 @@
+"""Stage-mates share their gradient sums for the pending update, so that the look-ahead predicts it
+from every gradient the stage holds. The oracle: one executor that holds all of those gradients."""
+
+import pytest
+import torch
+
+from swarm.config import OptimConfig
+from swarm.executor import Accumulated, StageExecutor
+from swarm.models import build_stage
+from swarm.partials import decode_partial, encode_partial
+from swarm.state import StateError
+
+GPT = {"kind": "gpt", "vocab_size": 64, "seq_len": 8, "d_model": 16, "n_layers": 2, "n_heads": 2, "d_ff": 32}
+CFG = OptimConfig(lr=1e-2, warmup_steps=0)
+
+
+def _executors(n: int) -> list[StageExecutor]:
+    out = []
+    for _ in range(n):
+        torch.manual_seed(0)  # the same initial parameters, as stage-mates have
+        out.append(StageExecutor(build_stage(GPT, 1, 2), CFG, predict_params=True, prior_samples=0))
+    return out
+
+
+def _batches(n: int):
+    torch.manual_seed(1)
+    return [(torch.randn(2, 8, 16), torch.randint(0, 64, (2, 8))) for _ in range(n)]
+
+
+def _prediction(ex: StageExecutor) -> list[torch.Tensor]:
+    return [p.clone() for p in ex.call(ex._predicted).result(timeout=30)]
+
+
+def _distance(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return float(sum((x - y).norm() ** 2 for x, y in zip(a, b, strict=True)) ** 0.5)
+
+
+def test_a_mates_sum_makes_the_prediction_of_the_whole_stage():
+    whole, mine, mate = _executors(3)
+    try:
+        batches = _batches(4)
+        for i, (h, y) in enumerate(batches):
+            whole.backward(h, None, y, f"w{i}", 0).result(timeout=30)
+            (mine if i % 2 == 0 else mate).backward(h, None, y, f"m{i}", 0).result(timeout=30)
+        want = _prediction(whole)
+        alone = _prediction(mine)
+        # the mate's sum goes over the wire format, in bfloat16
+        data = encode_partial(mate.call(lambda: mate.partial_gradient(0)).result(timeout=30))
+        partial = decode_partial(data, mine.params, 0)
+        assert partial.samples == 4 and all(g.dtype == torch.bfloat16 for g in partial.grads)
+        assert mine.call(lambda: mine.set_mate_partial("mate", partial)).result(timeout=30)
+        shared = _prediction(mine)
+        assert mine.predictions_with_mates == 1
+        # the mate's half moves the prediction onto the whole stage's, up to bfloat16 rounding (a
+        # first Adam step is lr x sign(g): a coordinate whose halves nearly cancel may still differ)
+        assert _distance(shared, want) < 0.05 * _distance(alone, want)
+        # nothing of it touches the real parameters or this peer's own accumulator
+        assert mine.samples_accumulated == 4
+        # once the update is applied, the mate's sum is dropped with it
+        mine.call(lambda: mine.apply_mean_gradient([torch.zeros_like(p) for p in mine.params], 0)).result(timeout=30)
+        assert mine._mate_partials == {}
+    finally:
+        for ex in (whole, mine, mate):
+            ex.stop()
+
+
+def test_a_sum_for_another_step_is_ignored_and_not_pending_gives_none():
+    (ex,) = _executors(1)
+    try:
+        zeros = [torch.zeros_like(p, dtype=torch.bfloat16) for p in ex.params]
+        assert not ex.call(lambda: ex.set_mate_partial("m", Accumulated(zeros, 2, 5))).result(timeout=30)
+        assert ex._mate_partials == {}
+        assert ex.call(lambda: ex.partial_gradient(3)).result(timeout=30) is None
+        empty = ex.call(lambda: ex.partial_gradient(0)).result(timeout=30)
+        assert empty.samples == 0 and empty.grads is None
+        with pytest.raises(ValueError, match="tensors"):
+            ex.call(lambda: ex.set_mate_partial("m", Accumulated(zeros[:1], 2, 0))).result(timeout=30)
+    finally:
+        ex.stop()
+
+
+def test_bad_partials_are_refused_with_clear_errors():
+    (ex,) = _executors(1)
+    try:
+        params = ex.params
+        good = [torch.ones_like(p, dtype=torch.bfloat16) for p in params]
+        nan = [g.clone() for g in good]
+        nan[0].view(-1)[0] = float("nan")
+        cases = {
+            "decode": b"not a torch file",
+            "step": encode_partial(Accumulated(good, 2, 7)),
+            "non-negative": encode_partial(Accumulated(good, -1, 0)),
+            "tensors": encode_partial(Accumulated(good[:-1], 2, 0)),
+            "does not fit": encode_partial(Accumulated([g.reshape(-1) for g in good], 2, 0)),
+            "NaN": encode_partial(Accumulated(nan, 2, 0)),
+        }
+        for needle, data in cases.items():
+            with pytest.raises(StateError, match=needle):
+                decode_partial(data, params, 0)
+        assert decode_partial(encode_partial(Accumulated(good, 2, 0)), params, 0).samples == 2
+        assert decode_partial(encode_partial(Accumulated(None, 0, 0)), params, 0).grads is None
+    finally:
+        ex.stop()
