@@ -410,14 +410,16 @@ class StageExecutor:
         return self._prediction[1]
 
     def partial_gradient(self, step: int) -> Accumulated | None:
-        """A bfloat16 copy of this peer's own gradient sum for the pending update `step`, for its
-        stage-mates' look-ahead (compute thread only); None when `step` is not pending here."""
+        """This peer's own gradient sum for the pending update `step` as one flat bfloat16 tensor
+        (`grads` holds just that), for its stage-mates' look-ahead (compute thread only); None when
+        `step` is not pending here."""
         if step != self.step:
             return None
         acc = self._pending_accumulator()
         if acc is None or acc.grads is None or acc.samples == 0:
             return Accumulated(None, 0, step)
-        return Accumulated([g.detach().to("cpu", torch.bfloat16) for g in acc.grads], acc.samples, step)
+        flat = torch.cat([g.detach().reshape(-1).to(torch.bfloat16) for g in acc.grads]).cpu()
+        return Accumulated([flat], acc.samples, step)
 
     def set_mate_partial(self, peer_id: str, partial: Accumulated) -> bool:
         """Keep a stage-mate's gradient sum for the pending update (compute thread only). The caller

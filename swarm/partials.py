@@ -16,7 +16,6 @@ bytes the all-reduce moves) and one such copy in memory per mate until the updat
 from __future__ import annotations
 
 import asyncio
-import io
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -40,45 +39,45 @@ class PartialUnavailable(Exception):
     """The requested update is not the one pending on this peer."""
 
 
-def encode_partial(partial: Accumulated) -> bytes:
-    buf = io.BytesIO()
-    torch.save({"step": partial.step, "samples": partial.samples, "grads": partial.grads}, buf)
-    return buf.getvalue()
+def encode_partial(partial: Accumulated) -> tuple[dict, bytes]:
+    """(header fields, raw little-endian bfloat16 bytes) of a flat sum from `partial_gradient`."""
+    if partial.samples == 0 or not partial.grads:
+        return {"samples": 0, "dtype": "bfloat16"}, b""
+    (flat,) = partial.grads
+    return {"samples": partial.samples, "dtype": "bfloat16"}, flat.view(torch.int16).numpy().tobytes()
 
 
-def decode_partial(data: bytes, params: list[torch.Tensor], step: int) -> Accumulated:
-    """Decode and check a mate's sum: the step asked for, a sample count, one finite float tensor
-    of each parameter's shape. Raises StateError on anything else."""
-    try:
-        obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any decoding failure is a bad message
-        raise StateError(f"cannot decode partial gradient: {e}") from None
-    if not isinstance(obj, dict) or obj.get("step") != step:
-        got = obj.get("step") if isinstance(obj, dict) else type(obj).__name__
-        raise StateError(f"partial gradient is for step {got!r}, asked for {step}")
-    samples, grads = obj.get("samples"), obj.get("grads")
+def decode_partial(header: dict, data: bytes | bytearray, params: list[torch.Tensor], step: int) -> Accumulated:
+    """Check and unpack a mate's sum: the step asked for, a sample count, one finite bfloat16 value
+    per parameter (views of `data`, shaped as `params`). Raises StateError on anything else."""
+    if header.get("step") != step:
+        raise StateError(f"partial gradient is for step {header.get('step')!r}, asked for {step}")
+    samples = header.get("samples")
     if not isinstance(samples, int) or samples < 0:
         raise StateError(f"partial gradient sample count {samples!r} is not a non-negative int")
     if samples == 0:
         return Accumulated(None, 0, step)
-    if not isinstance(grads, list) or len(grads) != len(params):
-        count = len(grads) if isinstance(grads, list) else "?"
-        raise StateError(f"partial gradient has {count} tensors, want {len(params)}")
-    for g, p in zip(grads, params, strict=True):
-        if not isinstance(g, torch.Tensor) or not g.is_floating_point() or g.shape != p.shape:
-            raise StateError(f"partial gradient tensor {getattr(g, 'shape', None)} does not fit {tuple(p.shape)}")
-        if not all_finite(g):
-            raise StateError("partial gradient holds NaN or infinite values")
-    return Accumulated(grads, samples, step)
+    if header.get("dtype") != "bfloat16":
+        raise StateError(f"partial gradient dtype {header.get('dtype')!r}, want bfloat16")
+    numel = sum(p.numel() for p in params)
+    if len(data) != 2 * numel:
+        raise StateError(f"partial gradient holds {len(data)} bytes, the stage needs {2 * numel}")
+    flat = torch.frombuffer(data, dtype=torch.int16).view(torch.bfloat16)
+    if not all_finite(flat):
+        raise StateError("partial gradient holds NaN or infinite values")
+    return Accumulated(
+        [g.view(p.shape) for g, p in zip(flat.split([p.numel() for p in params]), params, strict=True)], samples, step
+    )
 
 
 async def partial_chunks(executor: StageExecutor, step: int) -> AsyncIterator[bytes]:
-    """What GetPartialGradient streams: this peer's own sum for `step`, taken between batches."""
+    """What GetPartialGradient streams: this peer's own sum for `step`, taken between batches. No
+    checksum: it only ever moves a prediction, and TCP already checks what it carries."""
     partial = await asyncio.wrap_future(executor.call(lambda: executor.partial_gradient(step)))
     if partial is None:
         raise PartialUnavailable(f"step {step} is not pending here (this peer is at step {executor.step})")
-    data = await asyncio.get_running_loop().run_in_executor(None, encode_partial, partial)
-    async for chunk in state_chunks(data, step):
+    fields, data = encode_partial(partial)
+    async for chunk in state_chunks(data, step, checksum=False, **fields):
         yield chunk
 
 
@@ -140,9 +139,8 @@ class MatePartials:
         try:
             request = pb.PartialRequest(run_id=self.run_id, stage=self.stage(), step=step)
             stream = self.clients.get(mate.load.address).get_partial_gradient(request, timeout=self.timeout)
-            _, data = await receive_blob(stream, self.max_bytes, "partial gradient")
-            loop = asyncio.get_running_loop()
-            partial = await loop.run_in_executor(None, decode_partial, data, ex.params, step)
+            header, data = await receive_blob(stream, self.max_bytes, "partial gradient")
+            partial = decode_partial(header, data, ex.params, step)
             if ex is not self.executor():
                 return  # this peer moved to another stage meanwhile
             if await asyncio.wrap_future(ex.call(lambda: ex.set_mate_partial(pid, partial))):

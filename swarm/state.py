@@ -88,16 +88,20 @@ def validate(state: dict, module: nn.Module, meta: dict | None = None) -> None:
 # ---- download over gRPC ----
 
 
-async def state_chunks(data: bytes, step: int) -> AsyncIterator[bytes]:
-    """What GetState streams: a JSON header (step, size, sha256), then the serialized state."""
-    header = {"step": step, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+async def state_chunks(data: bytes, step: int, checksum: bool = True, **extra) -> AsyncIterator[bytes]:
+    """What GetState streams: a JSON header (step, size, sha256 unless `checksum` is off, `extra`),
+    then the data."""
+    header = {"step": step, "bytes": len(data), **extra}
+    if checksum:
+        header["sha256"] = hashlib.sha256(data).hexdigest()
     yield pb.Chunk(header=json.dumps(header).encode()).SerializeToString()
     for start in range(0, len(data), CHUNK_BYTES):
         yield pb.Chunk(data=data[start : start + CHUNK_BYTES]).SerializeToString()
 
 
-async def receive_blob(stream: AsyncIterator[bytes], max_bytes: int, what: str = "state") -> tuple[dict, bytes]:
-    """Read what `state_chunks` streams and check it arrived whole (size and sha256)."""
+async def receive_blob(stream: AsyncIterator[bytes], max_bytes: int, what: str = "state") -> tuple[dict, bytearray]:
+    """Read what `state_chunks` streams and check it arrived whole (size, and sha256 when the
+    header has one)."""
     header, buf = None, bytearray()
     async for raw in stream:
         chunk = pb.Chunk.FromString(raw)
@@ -111,16 +115,18 @@ async def receive_blob(stream: AsyncIterator[bytes], max_bytes: int, what: str =
             raise StateError(f"{what} stream carries more bytes than announced")
     if header is None or len(buf) != header["bytes"]:
         raise StateError(f"{what} stream ended after {len(buf)} of {None if header is None else header['bytes']} bytes")
-    if hashlib.sha256(buf).hexdigest() != header.get("sha256"):
+    if "sha256" in header and hashlib.sha256(buf).hexdigest() != header["sha256"]:
         raise StateError(f"{what} checksum mismatch")
-    return header, bytes(buf)
+    return header, buf
 
 
 async def download(client, run_id: str, stage: int, timeout: float, max_bytes: int) -> dict:
     """Fetch a stage's state from one peer and check it arrived whole (size and sha256)."""
     stream = client.get_state(pb.StateRequest(run_id=run_id, stage=stage), timeout=timeout)
     header, data = await receive_blob(stream, max_bytes)
-    state = deserialize(data)
+    if "sha256" not in header:
+        raise StateError("state header has no checksum")
+    state = deserialize(bytes(data))
     if state["step"] != header.get("step"):
         raise StateError(f"state step {state['step']} differs from its header's {header.get('step')}")
     return state

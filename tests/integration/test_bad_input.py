@@ -203,7 +203,7 @@ def test_partial_gradient_requests(two_stage_swarm):
     assert got == grpc.StatusCode.OK and header["step"] == step
     ex = StageExecutor(build_stage(TINY_GPT, 0, 2), OptimConfig())
     try:
-        partial = decode_partial(data, ex.params, step)
+        partial = decode_partial(header, data, ex.params, step)
     finally:
         ex.stop()
     assert partial.samples == info(addr0).samples_accumulated

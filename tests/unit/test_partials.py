@@ -31,6 +31,12 @@ def _prediction(ex: StageExecutor) -> list[torch.Tensor]:
     return [p.clone() for p in ex.call(ex._predicted).result(timeout=30)]
 
 
+def _wire(partial: Accumulated, step: int | None = None) -> tuple[dict, bytes]:
+    """What a mate streams: the header (step and encode_partial's fields) and the raw bytes."""
+    fields, data = encode_partial(partial)
+    return {"step": partial.step if step is None else step, **fields}, data
+
+
 def _distance(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return float(sum((x - y).norm() ** 2 for x, y in zip(a, b, strict=True)) ** 0.5)
 
@@ -45,9 +51,11 @@ def test_a_mates_sum_makes_the_prediction_of_the_whole_stage():
         want = _prediction(whole)
         alone = _prediction(mine)
         # the mate's sum goes over the wire format, in bfloat16
-        data = encode_partial(mate.call(lambda: mate.partial_gradient(0)).result(timeout=30))
-        partial = decode_partial(data, mine.params, 0)
+        header, data = _wire(mate.call(lambda: mate.partial_gradient(0)).result(timeout=30))
+        assert len(data) == 2 * sum(p.numel() for p in mate.params)  # bfloat16, nothing else
+        partial = decode_partial(header, data, mine.params, 0)
         assert partial.samples == 4 and all(g.dtype == torch.bfloat16 for g in partial.grads)
+        assert [g.shape for g in partial.grads] == [p.shape for p in mine.params]
         assert mine.call(lambda: mine.set_mate_partial("mate", partial)).result(timeout=30)
         shared = _prediction(mine)
         assert mine.predictions_with_mates == 1
@@ -83,21 +91,21 @@ def test_bad_partials_are_refused_with_clear_errors():
     (ex,) = _executors(1)
     try:
         params = ex.params
-        good = [torch.ones_like(p, dtype=torch.bfloat16) for p in params]
-        nan = [g.clone() for g in good]
-        nan[0].view(-1)[0] = float("nan")
+        flat = torch.ones(sum(p.numel() for p in params), dtype=torch.bfloat16)
+        nan = flat.clone()
+        nan[7] = float("nan")
+        good_header, good = _wire(Accumulated([flat], 2, 0))
         cases = {
-            "decode": b"not a torch file",
-            "step": encode_partial(Accumulated(good, 2, 7)),
-            "non-negative": encode_partial(Accumulated(good, -1, 0)),
-            "tensors": encode_partial(Accumulated(good[:-1], 2, 0)),
-            "does not fit": encode_partial(Accumulated([g.reshape(-1) for g in good], 2, 0)),
-            "NaN": encode_partial(Accumulated(nan, 2, 0)),
+            "step": (dict(good_header, step=7), good),
+            "non-negative": (dict(good_header, samples=-1), good),
+            "dtype": (dict(good_header, dtype="float32"), good),
+            "bytes": (good_header, good[:-2]),
+            "NaN": _wire(Accumulated([nan], 2, 0)),
         }
-        for needle, data in cases.items():
+        for needle, (header, data) in cases.items():
             with pytest.raises(StateError, match=needle):
-                decode_partial(data, params, 0)
-        assert decode_partial(encode_partial(Accumulated(good, 2, 0)), params, 0).samples == 2
-        assert decode_partial(encode_partial(Accumulated(None, 0, 0)), params, 0).grads is None
+                decode_partial(header, bytearray(data), params, 0)
+        assert decode_partial(good_header, bytearray(good), params, 0).samples == 2
+        assert decode_partial(*_wire(Accumulated(None, 0, 0)), params, 0).grads is None
     finally:
         ex.stop()
