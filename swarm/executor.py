@@ -130,6 +130,7 @@ class StageExecutor:
         # swarm.partials, so that the prediction uses every gradient the stage holds, not only ours
         self._mate_partials: dict[str, Accumulated] = {}
         self.predictions_with_mates = 0  # predictions that included mates' gradients
+        self.predicted_with_mates_samples = 0  # samples computed at such a prediction
 
         self.samples_processed = 0
         self.compute_seconds = 0.0
@@ -366,6 +367,8 @@ class StageExecutor:
             yield
             return
         self.predicted_samples += gradient_samples
+        if len(self._prediction[0][2]) > 0:  # the cache key lists the mates' sums it used
+            self.predicted_with_mates_samples += gradient_samples
         saved = [p.data for p in self.params]
         for p, q in zip(self.params, predicted, strict=True):
             p.data = q

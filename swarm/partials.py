@@ -91,7 +91,7 @@ class MatePartials:
         clients: ClientPool,
         run_id: str,
         stage: Callable[[], int],
-        interval: float = 0.1,
+        interval: float = 0.5,
         timeout: float = 5.0,
         max_bytes: int = 1 << 30,
     ) -> None:
@@ -106,6 +106,8 @@ class MatePartials:
         self._tasks: set[asyncio.Task] = set()
 
     async def run(self) -> None:
+        """Poll now and then (the peer also calls `poll` after each round of Info polls), and
+        cancel the fetches in flight when cancelled."""
         try:
             while True:
                 await asyncio.sleep(self.interval)

@@ -207,9 +207,9 @@ class Peer:
                 self.clients,
                 run.run_id,
                 lambda: self.stage,
-                interval=cfg.mates_poll_interval,
                 max_bytes=cfg.max_message_mb << 22,
             )
+            self.view.info_listeners.append(self.partials.poll)  # fetch as soon as a mate's count grows
             self._tasks.append(asyncio.create_task(self.partials.run()))
         if cfg.rebalance:
             self._tasks.append(asyncio.create_task(PlacementLoop(self).run()))
@@ -517,7 +517,7 @@ class Peer:
             logger.info(
                 "shutting down at step %d: %d samples back-propagated, %d of them at predicted parameters, "
                 "%d discarded, %d averaging rounds; %d partial gradients fetched from mates, %d predictions "
-                "used them",
+                "used them (for %d samples)",
                 ex.step,
                 ex.samples_processed,
                 ex.predicted_samples,
@@ -525,6 +525,7 @@ class Peer:
                 ex.averaging_rounds,
                 0 if self.partials is None else self.partials.fetches,
                 ex.predictions_with_mates,
+                ex.predicted_with_mates_samples,
             )
         else:
             logger.info("shutting down")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -93,6 +94,8 @@ class SwarmView:
         self.offline_seen: set[str] = set()
         self._dht_call: asyncio.Future | None = None
         self.poll_stages: set[int] | None = None
+        # called after each round of Info polls (e.g. swarm.partials reacts to a mate's new count)
+        self.info_listeners: list[Callable[[], None]] = []
 
     # ---- queries ----
 
@@ -213,6 +216,11 @@ class SwarmView:
         if targets:
             await asyncio.gather(*(self._poll_one(s) for s in targets))
         self.changed.set()
+        for listener in self.info_listeners:
+            try:
+                listener()
+            except Exception:  # noqa: BLE001 - a listener must not stop the view
+                logger.exception("info listener failed")
 
     async def _dht_loop(self) -> None:
         while True:
