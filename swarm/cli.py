@@ -112,7 +112,7 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
         "--ahead-after",
         type=float,
         help="async: share of a trainer's samples of a step that must be done before it starts samples "
-        "of the next step while that step is pending (default 0.5; 0: start as soon as the bound allows)",
+        "of the next step while that step is pending (default 0.75; 0: start as soon as the bound allows)",
     )
     g.add_argument(
         "--predict-params",

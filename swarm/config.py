@@ -64,7 +64,7 @@ class RunConfig:
     max_staleness: float = 1.0
     # async: share of a trainer's samples of step t that must be done before it starts samples of
     # step t+1 while t is pending (so the look-ahead predicts from at least that much gradient)
-    ahead_after: float = 0.5
+    ahead_after: float = 0.75
     # async: compute run-ahead microbatches at the parameters the pending update is expected to give
     # (its optimizer step on the mean gradient accumulated so far) instead of the current ones
     predict_params: bool = True
