@@ -124,7 +124,8 @@ class StageExecutor:
         # the parameters that update is expected to give (see optim.predicted_params)
         self.predict_params = predict_params
         self.prior_samples = prior_samples
-        self._prediction: tuple[tuple[int, int], list[torch.Tensor]] | None = None
+        # (step, own samples, ((mate, samples), ...)) -> parameters predicted from those gradients
+        self._prediction: tuple[tuple, list[torch.Tensor]] | None = None
         self.predicted_samples = 0  # samples whose gradient was taken at predicted parameters
         # stage-mates' gradient sums for the pending update (peer id -> sum), fetched by
         # swarm.partials, so that the prediction uses every gradient the stage holds, not only ours
@@ -399,10 +400,7 @@ class StageExecutor:
             total = samples + sum(m.samples for _, m in mates)
             if mates:
                 self.predictions_with_mates += 1
-                grad_sum = [
-                    (torch.zeros_like(p) if samples == 0 else own.clone())
-                    for p, own in zip(self.params, grad_sum or self.params, strict=True)
-                ]
+                grad_sum = [torch.zeros_like(p) for p in self.params] if samples == 0 else [g.clone() for g in grad_sum]
                 for _, m in mates:
                     for buf, g in zip(grad_sum, m.grads, strict=True):
                         buf.add_(g.to(buf.device, buf.dtype))

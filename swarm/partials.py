@@ -152,7 +152,7 @@ class MatePartials:
         except grpc.aio.AioRpcError as e:
             if e.code() != grpc.StatusCode.FAILED_PRECONDITION:  # else the mate merely moved on a step
                 self._failed(pid, f"{e.code().name}: {(e.details() or '')[:120]}")
-        except StateError as e:
+        except (ValueError, RuntimeError) as e:  # a bad sum (StateError), or this executor stopped
             self._failed(pid, str(e))
         finally:
             self._in_flight.discard(pid)
