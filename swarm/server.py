@@ -367,35 +367,31 @@ class StageService:
         async for message in self._streamed("backward", request_iterator, context):
             yield message
 
-    async def get_state(self, raw: bytes, context) -> AsyncIterator[bytes]:
+    async def _stage_request(self, message_cls: type, raw: bytes, context, what: str, available: bool):
+        """Parse a GetState/GetPartialGradient request and check it is for this run and stage and
+        that this peer has `what` to share; abort with a clear status otherwise."""
         try:
-            request = messages.parse(pb.StateRequest, raw)
+            request = messages.parse(message_cls, raw)
         except WireError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        provider = self.serving.state_provider
         if request.run_id != self.serving.run_id or request.stage != self.serving.stage:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"this peer serves run {self.serving.run_id} stage {self.serving.stage}",
             )
-        if provider is None or self.serving.state not in ("online", "draining"):
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "this peer has no state to share now")
+        if not available or self.serving.state not in ("online", "draining"):
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"this peer has no {what} to share now")
+        return request
+
+    async def get_state(self, raw: bytes, context) -> AsyncIterator[bytes]:
+        provider = self.serving.state_provider
+        await self._stage_request(pb.StateRequest, raw, context, "state", provider is not None)
         async for chunk in provider():
             yield chunk
 
     async def get_partial_gradient(self, raw: bytes, context) -> AsyncIterator[bytes]:
-        try:
-            request = messages.parse(pb.PartialRequest, raw)
-        except WireError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         executor = self.serving.executor
-        if request.run_id != self.serving.run_id or request.stage != self.serving.stage:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"this peer serves run {self.serving.run_id} stage {self.serving.stage}",
-            )
-        if executor is None or self.serving.state not in ("online", "draining"):
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "this peer has no gradient to share now")
+        request = await self._stage_request(pb.PartialRequest, raw, context, "gradient", executor is not None)
         try:
             async for chunk in partial_chunks(executor, request.step):
                 yield chunk
