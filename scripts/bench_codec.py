@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from local_runs import swarm_local_json  # noqa: E402  (scripts/, the script's own folder)
 
-from swarm.config import DEFAULT_MODEL  # noqa: E402
+from swarm.training.config import DEFAULT_MODEL  # noqa: E402
 from swarm.wire.protocol import pb  # noqa: E402
 from swarm.wire.tensors import WireTensor  # noqa: E402
 

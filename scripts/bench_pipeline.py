@@ -7,7 +7,7 @@ pipeline schedules (ScheduleGPipe and Schedule1F1B over gloo) on the same cores,
 peer per stage buys back.
 
 Both sides: S stage processes with `--threads` torch threads each, stage k built by
-swarm.models.build_stage(spec, k, S), global batch B in microbatches of size b, AdamW with per-stage
+swarm.training.models.build_stage(spec, k, S), global batch B in microbatches of size b, AdamW with per-stage
 gradient clipping, fp32 activations and gradients (swarm codec "none"). Samples/s are measured over
 a timed window after warm-up steps: on the torch side between barriers, on the swarm side from the
 times at which the trainer reported each new global step (`steps * B / seconds`); the trainer's own
@@ -143,7 +143,7 @@ def _torch_measure(rank: int, cfg: BenchConfig, schedule_name: str) -> dict:
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    from swarm.models import build_stage
+    from swarm.training.models import build_stage
 
     S, B, b = cfg.stages, cfg.global_batch, cfg.microbatch
     device = torch.device(cfg.device)
@@ -497,7 +497,7 @@ def run_swarm(
 
 def parse_model(text: str) -> dict:
     from swarm.cli import MODEL_PRESETS
-    from swarm.config import DEFAULT_MODEL
+    from swarm.training.config import DEFAULT_MODEL
 
     if text in MODEL_PRESETS:
         model = dict(MODEL_PRESETS[text] or DEFAULT_MODEL)
@@ -507,7 +507,7 @@ def parse_model(text: str) -> dict:
         model = json.loads(text)
     if model.get("kind") != "gpt":
         raise SystemExit("bench_pipeline compares GPT pipelines: --model must be a gpt spec")
-    from swarm.models import GPTConfig
+    from swarm.training.models import GPTConfig
 
     full = {**GPTConfig().to_dict(), **{k: v for k, v in model.items() if k != "kind"}}
     return {"kind": "gpt", **full}

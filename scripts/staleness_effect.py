@@ -33,10 +33,10 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from swarm.config import OptimConfig, RunConfig  # noqa: E402
-from swarm.data import ShardSampler, load_dataset, val_indices  # noqa: E402
-from swarm.models import GPT, GPTConfig  # noqa: E402
-from swarm.optim import apply_update, build_optimizer, expected_mean_gradient, predicted_params  # noqa: E402
+from swarm.training.config import OptimConfig, RunConfig  # noqa: E402
+from swarm.training.data import ShardSampler, load_dataset, val_indices  # noqa: E402
+from swarm.training.models import GPT, GPTConfig  # noqa: E402
+from swarm.training.optim import apply_update, build_optimizer, expected_mean_gradient, predicted_params  # noqa: E402
 
 MODES = ("fresh", "stale", "predicted")
 

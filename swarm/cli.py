@@ -10,7 +10,7 @@ import sys
 import time
 import uuid
 
-from swarm.log import setup_logging
+from swarm.core.log import setup_logging
 
 logger = logging.getLogger("swarm.cli")
 
@@ -131,8 +131,8 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_run_config(args: argparse.Namespace, run_id: str, stages: int, num_trainers: int, steps: int | None = None):
-    from swarm.config import DEFAULT_MODEL, OptimConfig, RunConfig
-    from swarm.data import DataConfig
+    from swarm.training.config import DEFAULT_MODEL, OptimConfig, RunConfig
+    from swarm.training.data import DataConfig
 
     base: dict = {}
     if args.config:
@@ -248,7 +248,7 @@ def add_trainer_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
-    from swarm.config import RunConfig
+    from swarm.training.config import RunConfig
     from swarm.coordinator import run_coordinator
 
     setup_logging("coordinator", args.log_level)
@@ -265,8 +265,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
 
 def cmd_peer(args: argparse.Namespace) -> int:
-    from swarm.averaging import AveragingConfig
-    from swarm.peer import PeerConfig, run_peer
+    from swarm.training.averaging import AveragingConfig
+    from swarm.peer.daemon import PeerConfig, run_peer
 
     setup_logging("peer", args.log_level)
     try:
@@ -301,7 +301,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
 
 
 def cmd_trainer(args: argparse.Namespace) -> int:
-    from swarm.trainer import TrainerConfig, run_trainer
+    from swarm.trainer.loop import TrainerConfig, run_trainer
 
     setup_logging("trainer", args.log_level)
     cfg = TrainerConfig(

@@ -12,10 +12,10 @@ import logging
 import os
 import signal
 
-from swarm.config import RunConfig
-from swarm.dht import Announcer, SwarmDHT
-from swarm.log import set_context
-from swarm.procs import READY_PREFIX
+from swarm.training.config import RunConfig
+from swarm.dht.node import Announcer, SwarmDHT
+from swarm.core.log import set_context
+from swarm.core.procs import READY_PREFIX
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ async def run_coordinator(
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    dht = SwarmDHT(run.run_id, [], host=host, port=port, announce_host=announce_host)  # main thread: see swarm.dht
+    dht = SwarmDHT(run.run_id, [], host=host, port=port, announce_host=announce_host)  # main thread: see swarm.dht.node
     set_context(peer=dht.peer_id[-6:])
     announcer = Announcer(lambda ttl: dht.publish_config(text, ttl), CONFIG_PERIOD, CONFIG_TTL, name="config-announcer")
     announcer.start()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from swarm.state import CHECKPOINT_NAME, deserialize
+from swarm.training.state import CHECKPOINT_NAME, deserialize
 
 logger = logging.getLogger(__name__)
 

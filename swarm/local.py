@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from swarm.procs import ManagedProcess
+from swarm.core.procs import ManagedProcess
 
 logger = logging.getLogger(__name__)
 

@@ -6,9 +6,9 @@ import asyncio
 import json
 import sys
 
-from swarm.config import RunConfig
-from swarm.dht import SwarmDHT
-from swarm.view import ClientPool, SwarmView
+from swarm.training.config import RunConfig
+from swarm.dht.node import SwarmDHT
+from swarm.cluster.view import ClientPool, SwarmView
 
 
 async def collect_status(run_id: str, initial_peers: list[str], max_events: int = 50) -> dict:

@@ -1,5 +1,5 @@
-"""`swarm sim`: a discrete-event simulator that runs the real wiring (swarm.wiring) and rebalancing
-(swarm.rebalance) code against 10..10,000 simulated peers, to measure them without machines.
+"""`swarm sim`: a discrete-event simulator that runs the real wiring (swarm.policy.wiring) and rebalancing
+(swarm.policy.rebalance) code against 10..10,000 simulated peers, to measure them without machines.
 
     from swarm.sim import SimConfig, run_sim
     result = run_sim(SimConfig(peers=1000, stages=8, policy="ours", rebalance=True))

@@ -24,8 +24,8 @@ from swarm.sim.report import format_table, json_document, plot, write_results
 logger = logging.getLogger(__name__)
 
 DESCRIPTION = """\
-Discrete-event simulation of a swarm that runs the real stochastic wiring (swarm.wiring) and
-rebalancing (swarm.rebalance) code against simulated peers, and compares routing policies with and
+Discrete-event simulation of a swarm that runs the real stochastic wiring (swarm.policy.wiring) and
+rebalancing (swarm.policy.rebalance) code against simulated peers, and compares routing policies with and
 without rebalancing. By default 6 runs: ours/uniform/weighted x rebalancing on/off, all with the same
 peers, preemptions and joins. Throughputs are in training samples/s (forward+backward) of a peer on
 one stage; peer speed, bandwidth and latency are lognormal (median, sigma). See docs/SIMULATOR.md.

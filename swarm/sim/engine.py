@@ -1,5 +1,5 @@
-"""Discrete-event simulation of a swarm, driving the real wiring (swarm.wiring) and rebalancing
-(swarm.rebalance) code with simulated peers, so that their behaviour at 10..10,000 peers can be measured
+"""Discrete-event simulation of a swarm, driving the real wiring (swarm.policy.wiring) and rebalancing
+(swarm.policy.rebalance) code with simulated peers, so that their behaviour at 10..10,000 peers can be measured
 without machines.
 
 Model, in short (docs/SIMULATOR.md has the details): peers serve one stage each, FIFO, one task at a
@@ -20,10 +20,10 @@ import random
 import time
 from collections import deque
 
-from swarm.rebalance import PeerInfo, best_assignment_throughput, join_stage, plan_move
+from swarm.policy.rebalance import PeerInfo, best_assignment_throughput, join_stage, plan_move
 from swarm.sim.config import SECONDS_PER_HOUR, RunResult, SimConfig
 from swarm.sim.report import summarize
-from swarm.wiring import PeerLoad, Wiring
+from swarm.policy.wiring import PeerLoad, Wiring
 
 logger = logging.getLogger(__name__)
 
@@ -413,7 +413,7 @@ class Simulator:
         self._push(self.now + cfg.join_time, READY, peer)
 
     def _placed_stage(self, peer: Peer) -> int:
-        """Where the peer counts for placement: a moving peer at its destination (as in swarm.placement)."""
+        """Where the peer counts for placement: a moving peer at its destination (as in swarm.peer.placement)."""
         return peer.dst if peer.state == DRAINING else peer.stage
 
     def _stage_totals(self) -> list[float]:
@@ -425,7 +425,7 @@ class Simulator:
     # ---- rebalancing ----
 
     def _rebalance(self, _: None = None) -> None:
-        """One round of swarm.placement's loop: plan_move on the current assignment, one move at most."""
+        """One round of swarm.peer.placement's loop: plan_move on the current assignment, one move at most."""
         cfg, now, rng = self.cfg, self.now, self.rebalance_rng
         self._push(now + cfg.rebalance_period * rng.uniform(0.7, 1.3), REBALANCE, None)
         if any(p.state == DRAINING for p in self.alive):

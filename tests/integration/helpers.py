@@ -8,7 +8,7 @@ import time
 
 import psutil
 
-from swarm.procs import group_alive
+from swarm.core.procs import group_alive
 from swarm.wire.client import StageClient
 
 TINY_GPT = {"kind": "gpt", "vocab_size": 256, "seq_len": 32, "d_model": 32, "n_layers": 3, "n_heads": 2, "d_ff": 64}
@@ -68,7 +68,7 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
 
 def fetch_state(address: str, run_id: str, stage: int, timeout: float = 60.0) -> dict:
     """A peer's full training state, over the wire contract's GetState."""
-    from swarm.state import download
+    from swarm.training.state import download
 
     async def go():
         client = StageClient(address)

@@ -6,7 +6,7 @@ import grpc
 import pytest
 import torch
 
-from swarm.config import OptimConfig
+from swarm.training.config import OptimConfig
 from swarm.wire import codec, stream
 from swarm.wire.options import channel_options
 from swarm.wire.protocol import pb
@@ -169,10 +169,10 @@ def test_bad_backward_and_stream_requests(two_stage_swarm):
 def test_partial_gradient_requests(two_stage_swarm):
     """GetPartialGradient (async look-ahead): bad requests get clear errors, a good one the peer's
     sum for its pending update, which the peer-side check accepts."""
-    from swarm.executor import StageExecutor
-    from swarm.models import build_stage
-    from swarm.partials import decode_partial
-    from swarm.state import receive_blob
+    from swarm.peer.executor import StageExecutor
+    from swarm.training.models import build_stage
+    from swarm.peer.partials import decode_partial
+    from swarm.training.state import receive_blob
 
     swarm = two_stage_swarm
     addr0 = next(p.ready["address"] for p in swarm.peers if p.ready["stage"] == 0)

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from swarm.models import GPT, GPTConfig
+from swarm.training.models import GPT, GPTConfig
 from tests.integration.helpers import TINY_GPT, fetch_state, write_tokens
 
 STEPS, B, MB, LR, WARMUP, CLIP, WD = 5, 16, 4, 1e-2, 2, 0.5, 0.01

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from swarm.models import GPT, GPTConfig
+from swarm.training.models import GPT, GPTConfig
 from tests.integration.helpers import TINY_GPT, fetch_state, info, run_args, wait_for, write_tokens
 
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from swarm.checks import all_finite
+from swarm.core.checks import all_finite
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])

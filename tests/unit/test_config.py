@@ -2,8 +2,8 @@
 
 import pytest
 
-from swarm.config import OptimConfig, RunConfig
-from swarm.optim import lr_at
+from swarm.training.config import OptimConfig, RunConfig
+from swarm.training.optim import lr_at
 
 
 def test_round_trip_json_and_size():

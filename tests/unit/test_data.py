@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from swarm.data import DataConfig, ShardSampler, load_dataset, val_indices
+from swarm.training.data import DataConfig, ShardSampler, load_dataset, val_indices
 
 GPT = {"kind": "gpt", "seq_len": 32, "vocab_size": 256}
 

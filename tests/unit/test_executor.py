@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from swarm.config import OptimConfig
-from swarm.executor import NonFiniteError, StageExecutor
-from swarm.models import build_full_model, build_stage
+from swarm.training.config import OptimConfig
+from swarm.peer.executor import NonFiniteError, StageExecutor
+from swarm.training.models import build_full_model, build_stage
 
 GPT = {"kind": "gpt", "vocab_size": 64, "seq_len": 8, "d_model": 16, "n_layers": 2, "n_heads": 2, "d_ff": 32}
 

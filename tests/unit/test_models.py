@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from swarm.models import build_full_model, build_stage, validate_spec
-from swarm.models.gpt import split_layers
+from swarm.training.models import build_full_model, build_stage, validate_spec
+from swarm.training.models.gpt import split_layers
 
 GPT = {"kind": "gpt", "vocab_size": 256, "seq_len": 16, "d_model": 32, "n_layers": 5, "n_heads": 4, "d_ff": 64}
 MLP = {"kind": "mlp", "in_dim": 8, "hidden": 16, "n_layers": 4, "n_classes": 3}

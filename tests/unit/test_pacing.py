@@ -2,7 +2,7 @@
 
 import pytest
 
-from swarm.pacing import StepPacer
+from swarm.policy.pacing import StepPacer
 
 
 def _drain(pacer: StepPacer, global_step: int, microbatch: int = 8, target: int = 100) -> list[tuple[int, int]]:

@@ -4,11 +4,11 @@ from every gradient the stage holds. The oracle: one executor that holds all of 
 import pytest
 import torch
 
-from swarm.config import OptimConfig
-from swarm.executor import Accumulated, StageExecutor
-from swarm.models import build_stage
-from swarm.partials import decode_partial, encode_partial
-from swarm.state import StateError
+from swarm.training.config import OptimConfig
+from swarm.peer.executor import Accumulated, StageExecutor
+from swarm.training.models import build_stage
+from swarm.peer.partials import decode_partial, encode_partial
+from swarm.training.state import StateError
 
 GPT = {"kind": "gpt", "vocab_size": 64, "seq_len": 8, "d_model": 16, "n_layers": 2, "n_heads": 2, "d_ff": 32}
 CFG = OptimConfig(lr=1e-2, warmup_steps=0)

@@ -6,10 +6,10 @@ import copy
 import pytest
 import torch
 
-from swarm.config import OptimConfig
-from swarm.executor import StageExecutor
-from swarm.models import build_stage
-from swarm.optim import apply_update, build_optimizer, expected_mean_gradient, predicted_params
+from swarm.training.config import OptimConfig
+from swarm.peer.executor import StageExecutor
+from swarm.training.models import build_stage
+from swarm.training.optim import apply_update, build_optimizer, expected_mean_gradient, predicted_params
 
 GPT = {"kind": "gpt", "vocab_size": 64, "seq_len": 8, "d_model": 16, "n_layers": 2, "n_heads": 2, "d_ff": 32}
 

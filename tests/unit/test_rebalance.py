@@ -3,7 +3,7 @@
 import itertools
 import random
 
-from swarm.rebalance import (
+from swarm.policy.rebalance import (
     PeerInfo,
     best_assignment_throughput,
     join_stage,

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from swarm import wiring
+from swarm.policy import wiring
 from swarm.sim.cli import add_sim_parser
 from swarm.sim.config import SimConfig
 from swarm.sim.engine import Simulator, run_sim

@@ -5,11 +5,11 @@ import asyncio
 import pytest
 import torch
 
-from swarm.config import OptimConfig
-from swarm.executor import StageExecutor
-from swarm.models import build_stage
-from swarm.state import deserialize, serialize
-from swarm.stepping import StepCoordinator
+from swarm.training.config import OptimConfig
+from swarm.peer.executor import StageExecutor
+from swarm.training.models import build_stage
+from swarm.training.state import deserialize, serialize
+from swarm.peer.stepping import StepCoordinator
 
 GPT = {"kind": "gpt", "vocab_size": 64, "seq_len": 8, "d_model": 16, "n_layers": 2, "n_heads": 2, "d_ff": 32}
 

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from swarm.wiring import BanPolicy, PeerLoad, Wiring
+from swarm.policy.wiring import BanPolicy, PeerLoad, Wiring
 
 
 def simulate(throughputs: list[float], tasks: int, concurrency: int, seed: int = 0) -> list[int]:

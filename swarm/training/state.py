@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from swarm.checks import all_finite
+from swarm.core.checks import all_finite
 from swarm.wire.protocol import pb
 
 logger = logging.getLogger(__name__)

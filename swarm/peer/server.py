@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from swarm.checks import all_finite
-from swarm.executor import NonFiniteError, StageExecutor
-from swarm.models import StageSchema
-from swarm.partials import PartialUnavailable, partial_chunks
+from swarm.core.checks import all_finite
+from swarm.peer.executor import NonFiniteError, StageExecutor
+from swarm.training.models import StageSchema
+from swarm.peer.partials import PartialUnavailable, partial_chunks
 from swarm.wire import codec, messages
 from swarm.wire.codec import MessageTooLarge, WireError
 from swarm.wire.options import MiB, channel_options

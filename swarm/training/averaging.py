@@ -41,8 +41,8 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import achain, as_aiter, azip, enter_asynchronously
 
-from swarm.checks import all_finite
-from swarm.dht import die_with_parent
+from swarm.core.checks import all_finite
+from swarm.dht.node import die_with_parent
 
 logger = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from swarm.dht import PeerEntry, SwarmDHT
+from swarm.dht.node import PeerEntry, SwarmDHT
 from swarm.wire.client import StageClient
-from swarm.wiring import PeerLoad
+from swarm.policy.wiring import PeerLoad
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class SwarmView:
         self.offline_seen: set[str] = set()
         self._dht_call: asyncio.Future | None = None
         self.poll_stages: set[int] | None = None
-        # called after each round of Info polls (e.g. swarm.partials reacts to a mate's new count)
+        # called after each round of Info polls (e.g. swarm.peer.partials reacts to a mate's new count)
         self.info_listeners: list[Callable[[], None]] = []
 
     # ---- queries ----

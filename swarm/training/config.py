@@ -10,8 +10,8 @@ import re
 from dataclasses import asdict, dataclass, field, fields
 
 from swarm import __version__
-from swarm.data import DataConfig
-from swarm.models import validate_spec
+from swarm.training.data import DataConfig
+from swarm.training.models import validate_spec
 from swarm.wire.codec import CODEC_NAMES
 
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")

@@ -22,9 +22,9 @@ from dataclasses import dataclass, fields
 import torch
 from torch import nn
 
-from swarm.checks import all_finite
-from swarm.models.gpt import GPT, GPTConfig, build_gpt_stage
-from swarm.models.mlp import MLPConfig, MLPStage, build_mlp_stage
+from swarm.core.checks import all_finite
+from swarm.training.models.gpt import GPT, GPTConfig, build_gpt_stage
+from swarm.training.models.mlp import MLPConfig, MLPStage, build_mlp_stage
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ def validate_spec(spec: dict, num_stages: int) -> None:
     kind = spec.get("kind")
     if kind == "gpt":
         cfg = _config_from(GPTConfig, spec)
-        from swarm.models.gpt import split_layers
+        from swarm.training.models.gpt import split_layers
 
         split_layers(cfg.n_layers, num_stages, spec.get("layer_split"))
     elif kind == "mlp":
@@ -199,7 +199,7 @@ def stage_costs(spec: dict, num_stages: int) -> list[float] | None:
     moving to a stage twice as costly delivers half the samples/s. None when unknown (custom)."""
     kind = spec.get("kind")
     if kind == "gpt":
-        from swarm.models.gpt import split_layers
+        from swarm.training.models.gpt import split_layers
 
         cfg = _config_from(GPTConfig, spec)
         d, t = cfg.d_model, cfg.seq_len
@@ -210,7 +210,7 @@ def stage_costs(spec: dict, num_stages: int) -> list[float] | None:
         costs[-1] += head
         return [max(c, 1.0) for c in costs]
     if kind == "mlp":
-        from swarm.models.gpt import split_layers
+        from swarm.training.models.gpt import split_layers
 
         cfg = _config_from(MLPConfig, spec)
         costs = []

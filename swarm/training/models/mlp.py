@@ -67,7 +67,7 @@ class MLPStage(nn.Module):
 
 
 def build_mlp_stage(cfg: MLPConfig, stage: int, num_stages: int) -> MLPStage:
-    from swarm.models.gpt import split_layers
+    from swarm.training.models.gpt import split_layers
 
     first, last = split_layers(cfg.n_layers, num_stages)[stage]
     return MLPStage(cfg, first, last, with_head=stage == num_stages - 1)

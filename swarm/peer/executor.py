@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from swarm.checks import all_finite
-from swarm.config import OptimConfig
-from swarm.models import BuiltStage
-from swarm.optim import apply_update, build_optimizer, expected_mean_gradient, predicted_params
+from swarm.core.checks import all_finite
+from swarm.training.config import OptimConfig
+from swarm.training.models import BuiltStage
+from swarm.training.optim import apply_update, build_optimizer, expected_mean_gradient, predicted_params
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ class StageExecutor:
         self._prediction: tuple[tuple, list[torch.Tensor]] | None = None
         self.predicted_samples = 0  # samples whose gradient was taken at predicted parameters
         # stage-mates' gradient sums for the pending update (peer id -> sum), fetched by
-        # swarm.partials, so that the prediction uses every gradient the stage holds, not only ours
+        # swarm.peer.partials, so that the prediction uses every gradient the stage holds, not only ours
         self._mate_partials: dict[str, Accumulated] = {}
         self.predictions_with_mates = 0  # predictions that included mates' gradients
         self.predicted_with_mates_samples = 0  # samples computed at such a prediction

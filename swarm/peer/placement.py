@@ -16,11 +16,11 @@ import random
 import time
 from typing import TYPE_CHECKING
 
-from swarm.models import stage_costs
-from swarm.rebalance import Move, PeerInfo, plan_move
+from swarm.training.models import stage_costs
+from swarm.policy.rebalance import Move, PeerInfo, plan_move
 
 if TYPE_CHECKING:
-    from swarm.peer import Peer
+    from swarm.peer.daemon import Peer
 
 logger = logging.getLogger(__name__)
 

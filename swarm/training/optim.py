@@ -8,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-from swarm.config import OptimConfig
+from swarm.training.config import OptimConfig
 
 
 def lr_at(cfg: OptimConfig, step: int) -> float:

@@ -4,7 +4,7 @@ One microbatch: forward through stages 0..S-2 (the trainer relays each stage's e
 next stage unchanged), then Backward on the last stage with the targets (loss and input gradient in
 one call), then Backward on stages S-2..0 with the stage input kept from the forward pass.
 
-Every call goes to the peer with the lowest expected finish time (swarm.wiring). A failed call bans
+Every call goes to the peer with the lowest expected finish time (swarm.policy.wiring). A failed call bans
 the peer and retries on another; a deadline miss does the same. Each stage's Backward is held as a
 record until the peer that accumulated it has applied that update; if the peer dies first, the record
 is replayed on a stage-mate, so no sample's gradient is silently lost.
@@ -27,19 +27,19 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from swarm.config import RunConfig
-from swarm.data import DataConfig, ShardSampler, load_dataset, val_indices
-from swarm.dht import SwarmDHT
-from swarm.log import set_context
-from swarm.pacing import StepPacer
-from swarm.peer import fetch_run_config
-from swarm.procs import PROGRESS_PREFIX, SUMMARY_PREFIX
-from swarm.view import ClientPool, SwarmView
+from swarm.training.config import RunConfig
+from swarm.training.data import DataConfig, ShardSampler, load_dataset, val_indices
+from swarm.dht.node import SwarmDHT
+from swarm.core.log import set_context
+from swarm.policy.pacing import StepPacer
+from swarm.peer.daemon import fetch_run_config
+from swarm.core.procs import PROGRESS_PREFIX, SUMMARY_PREFIX
+from swarm.cluster.view import ClientPool, SwarmView
 from swarm.wire import codec
 from swarm.wire.codec import codec_from_name
 from swarm.wire.protocol import pb
 from swarm.wire.tensors import WireTensor
-from swarm.wiring import PeerLoad, Wiring
+from swarm.policy.wiring import PeerLoad, Wiring
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ class Trainer:
             torch.set_num_threads(cfg.threads)
         self.dht = SwarmDHT(
             cfg.run_id, cfg.initial_peers, host=cfg.host, client_mode=True
-        )  # main thread: see swarm.dht
+        )  # main thread: see swarm.dht.node
         set_context(peer=self.trainer_id)
         self.run: RunConfig = await loop.run_in_executor(None, fetch_run_config, self.dht, cfg.join_timeout)
         run = self.run
@@ -409,7 +409,7 @@ class Trainer:
 
     def _next_microbatch(self, global_step: int | None) -> Microbatch | None:
         """The next microbatch to start (a retry first), or None while the staleness bound holds the
-        trainer back (swarm.pacing)."""
+        trainer back (swarm.policy.pacing)."""
         if self._retry:
             return self._retry.popleft()
         taken = self.pacer.take(global_step or 0, self.run.microbatch, self.target)

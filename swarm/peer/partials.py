@@ -6,7 +6,7 @@ holds about half of what the stage knows about the pending update. The look-ahea
 a quarter of a batch costs far more than one from half (scripts/staleness_effect.py). So a peer
 fetches a mate's sum (`GetPartialGradient`, bfloat16) whenever the mate's `Info` shows more samples
 for the pending update than the peer last fetched from it, and predicts from all of them. The
-update itself still comes from the stage's all-reduce (swarm.averaging): a partial sum only ever
+update itself still comes from the stage's all-reduce (swarm.training.averaging): a partial sum only ever
 moves a prediction, so a lost or late one costs accuracy of the look-ahead, nothing else.
 
 Cost: per mate and change of its sum, one transfer of the stage's gradient in bfloat16 (half the
@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING
 import grpc
 import torch
 
-from swarm.checks import all_finite
-from swarm.executor import Accumulated, StageExecutor
-from swarm.state import StateError, receive_blob, state_chunks
+from swarm.core.checks import all_finite
+from swarm.peer.executor import Accumulated, StageExecutor
+from swarm.training.state import StateError, receive_blob, state_chunks
 from swarm.wire.protocol import pb
 
 if TYPE_CHECKING:  # the peer side only; the server imports this module too
-    from swarm.view import ClientPool, PeerStatus
+    from swarm.cluster.view import ClientPool, PeerStatus
 
 logger = logging.getLogger(__name__)
 

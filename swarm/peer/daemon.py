@@ -1,5 +1,5 @@
 """The run-peer daemon: joins the DHT, takes a stage, serves Forward/Backward over gRPC, accumulates
-gradients, and applies updates together with its stage-mates (swarm.stepping).
+gradients, and applies updates together with its stage-mates (swarm.peer.stepping).
 
 On joining a stage the peer first gets the stage's current state: from an up-to-date live mate over
 gRPC (GetState), else from the newest checkpoint of that stage, else a fresh seeded initialization;
@@ -25,21 +25,21 @@ from dataclasses import dataclass, field
 import torch
 
 from swarm import __version__
-from swarm.averaging import AveragingConfig, StageAverager
-from swarm.config import RunConfig
-from swarm.dht import Announcer, PeerRecord, SwarmDHT
-from swarm.executor import StageExecutor
-from swarm.log import set_context
-from swarm.models import build_stage
-from swarm.partials import MatePartials
-from swarm.placement import PlacementLoop
-from swarm.procs import READY_PREFIX
-from swarm.rebalance import join_stage
-from swarm.server import Limits, ServingState, StageService, start_server
-from swarm.state import CheckpointStore, StateError, checkpoint_meta, download, serialize, stamp, state_chunks, validate
-from swarm.stepping import StepCoordinator
-from swarm.throughput import measure_throughput
-from swarm.view import ClientPool, SwarmView
+from swarm.training.averaging import AveragingConfig, StageAverager
+from swarm.training.config import RunConfig
+from swarm.dht.node import Announcer, PeerRecord, SwarmDHT
+from swarm.peer.executor import StageExecutor
+from swarm.core.log import set_context
+from swarm.training.models import build_stage
+from swarm.peer.partials import MatePartials
+from swarm.peer.placement import PlacementLoop
+from swarm.core.procs import READY_PREFIX
+from swarm.policy.rebalance import join_stage
+from swarm.peer.server import Limits, ServingState, StageService, start_server
+from swarm.training.state import CheckpointStore, StateError, checkpoint_meta, download, serialize, stamp, state_chunks, validate
+from swarm.peer.stepping import StepCoordinator
+from swarm.peer.throughput import measure_throughput
+from swarm.cluster.view import ClientPool, SwarmView
 from swarm.wire.codec import codec_from_name
 
 logger = logging.getLogger(__name__)
@@ -274,7 +274,7 @@ class Peer:
         await self.view.refresh_dht()
         await self.view.poll_info({stage})
         await self._initial_state()
-        # one averager per process, created on this (main) thread: see swarm.averaging
+        # one averager per process, created on this (main) thread: see swarm.training.averaging
         self.averager = StageAverager(self.dht.dht, run.run_id, stage, self.executor.params, cfg.averaging)
         self.stepper = StepCoordinator(
             self.executor,

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from swarm.executor import StageExecutor
-from swarm.models import StageSchema, TensorSchema
+from swarm.peer.executor import StageExecutor
+from swarm.training.models import StageSchema, TensorSchema
 
 logger = logging.getLogger(__name__)
 

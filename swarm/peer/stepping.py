@@ -22,9 +22,9 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from swarm.averaging import AveragingFailed, StageAverager, local_mean
-from swarm.executor import Accumulated, StageExecutor
-from swarm.log import set_context
+from swarm.training.averaging import AveragingFailed, StageAverager, local_mean
+from swarm.peer.executor import Accumulated, StageExecutor
+from swarm.core.log import set_context
 
 logger = logging.getLogger(__name__)
 

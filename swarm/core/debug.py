@@ -1,0 +1,80 @@
+"""Debug and fault-injection hooks, kept out of the roles' production settings.
+
+- `FaultPlan`: torchft-style deterministic fault injection, "fail at this step in this way" (tests
+  use it through `swarm peer --debug-fail-at-step N --debug-fail-mode kill|stop|exit`).
+- `cpu_profile`: a cProfile of one thread (the peer's event loop: parsing, validation, codecs, gRPC),
+  written on exit (`swarm peer --profile-dir DIR`, used by scripts/bench_overheads.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+FAIL_MODES = ("kill", "stop", "exit")
+
+
+@dataclass
+class FaultPlan:
+    """Fail when the stage reaches `fail_at_step`: SIGKILL self (kill), SIGSTOP self (stop; a test
+    resumes it with SIGCONT), or exit at once with code 3 (exit)."""
+
+    fail_at_step: int | None = None
+    fail_mode: str = "kill"
+
+    def __post_init__(self) -> None:
+        if self.fail_mode not in FAIL_MODES:
+            raise ValueError(f"--debug-fail-mode must be one of {', '.join(FAIL_MODES)}, got {self.fail_mode!r}")
+
+    def due(self, step: int) -> bool:
+        return self.fail_at_step is not None and step >= self.fail_at_step
+
+    def inject(self, step: int) -> None:
+        """Act now (call when `due`). A stopped process fires once: after SIGCONT it carries on."""
+        logger.warning("fault injection: %s at step %d", self.fail_mode, step)
+        sys.stderr.flush()
+        if self.fail_mode == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif self.fail_mode == "stop":
+            self.fail_at_step = None
+            os.kill(os.getpid(), signal.SIGSTOP)
+        else:
+            os._exit(3)
+
+
+def add_debug_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("debugging and fault injection (for tests and benchmarks)")
+    g.add_argument("--debug-fail-at-step", type=int, metavar="STEP", help="fail when the stage reaches this step")
+    g.add_argument("--debug-fail-mode", default="kill", choices=FAIL_MODES, help="how to fail (default kill)")
+    g.add_argument("--profile-dir", metavar="DIR", help="write a cProfile of the event loop's CPU time here on exit")
+
+
+def fault_plan_from_args(args: argparse.Namespace) -> FaultPlan | None:
+    if getattr(args, "debug_fail_at_step", None) is None:
+        return None
+    return FaultPlan(args.debug_fail_at_step, args.debug_fail_mode)
+
+
+@contextlib.contextmanager
+def cpu_profile(profile_dir: str | None, name: str) -> Iterator[None]:
+    """Profile this thread's CPU time into `profile_dir/name-PID.prof` (no-op without a folder)."""
+    if not profile_dir:
+        yield
+        return
+    profiler = cProfile.Profile(time.thread_time)
+    profiler.enable()
+    try:
+        yield
+    finally:
+        profiler.disable()
+        profiler.dump_stats(os.path.join(profile_dir, f"{name}-{os.getpid()}.prof"))

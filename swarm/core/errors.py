@@ -1,0 +1,51 @@
+"""Typed errors, by whose fault and what the caller should do. The gRPC server maps these types
+(never their messages) to status codes (swarm.peer.server.status_of): a request's own fault is not
+worth retrying elsewhere, a peer's transient state is."""
+
+from __future__ import annotations
+
+
+class SwarmError(Exception):
+    """Base of the errors below."""
+
+
+class RequestInvalid(SwarmError, ValueError):
+    """The request itself is wrong (shape, dtype, NaN, malformed bytes): INVALID_ARGUMENT.
+    Sending it to another peer would fail the same way."""
+
+
+class RequestTooLarge(RequestInvalid):
+    """The request exceeds a size limit: RESOURCE_EXHAUSTED."""
+
+
+class NonFiniteResult(RequestInvalid):
+    """The stage produced NaN or infinity for this request; nothing was accumulated."""
+
+
+class WrongTarget(SwarmError):
+    """The request is for another run or stage than this peer serves (it moved): FAILED_PRECONDITION."""
+
+
+class NotServing(SwarmError):
+    """The peer cannot take this request now (joining, moving, shutting down): UNAVAILABLE.
+    Another peer of the stage can."""
+
+
+class ExecutorStopped(NotServing):
+    """The stage's compute thread was stopped: the peer is leaving the stage or shutting down."""
+
+
+class StepNotReady(NotServing):
+    """Exact mode: the request is for a step this peer has not reached within the wait."""
+
+
+class Overloaded(SwarmError):
+    """The peer's queue or a per-client bound is full: RESOURCE_EXHAUSTED, retry later or elsewhere."""
+
+
+class StateError(SwarmError, ValueError):
+    """A training state (download, checkpoint, mate's partial sum) that cannot be used."""
+
+
+class ConfigError(SwarmError, ValueError):
+    """A setting or run configuration that cannot work; the message names the fix."""
