@@ -93,8 +93,7 @@ def main() -> int:
             steps=steps,
             run_args=run_args,
             log_dir=f"{tmp}/logs",
-            peer_args=["--no-rebalance"],
-            env={"SWARM_PROFILE_DIR": str(profile_dir)},
+            peer_args=["--no-rebalance", "--profile-dir", str(profile_dir)],
         )
         with LocalSwarm(opts) as swarm:
             swarm.start()

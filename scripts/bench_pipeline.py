@@ -454,7 +454,7 @@ def run_swarm(
             if overlap:
                 trainer = swarm.start_trainers(on_line=clock)[-1]
             for p in peers:
-                p.wait_ready(opts.startup_timeout)
+                p.wait_ready(opts.startup_timeout_s)
             ready_at = time.monotonic()
             if not overlap:
                 swarm.trainers = [t for t in swarm.trainers if t.alive()]  # earlier trainers are reaped
@@ -496,15 +496,9 @@ def run_swarm(
 
 
 def parse_model(text: str) -> dict:
-    from swarm.cli import MODEL_PRESETS
-    from swarm.training.config import DEFAULT_MODEL
+    from swarm.training.config import model_spec_from_text
 
-    if text in MODEL_PRESETS:
-        model = dict(MODEL_PRESETS[text] or DEFAULT_MODEL)
-    elif text == "tiny":
-        model = dict(TINY_GPT)
-    else:
-        model = json.loads(text)
+    model = dict(TINY_GPT) if text == "tiny" else model_spec_from_text(text)
     if model.get("kind") != "gpt":
         raise SystemExit("bench_pipeline compares GPT pipelines: --model must be a gpt spec")
     from swarm.training.models import GPTConfig

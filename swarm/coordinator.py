@@ -11,43 +11,53 @@ import json
 import logging
 import os
 import signal
+from dataclasses import dataclass
 
-from swarm.training.config import RunConfig
-from swarm.dht.node import Announcer, SwarmDHT
 from swarm.core.log import set_context
 from swarm.core.procs import READY_PREFIX
+from swarm.core.settings import setting
+from swarm.dht.announcer import Announcer
+from swarm.dht.node import SwarmDHT
+from swarm.training.config import RunConfig
 
 logger = logging.getLogger(__name__)
 
-CONFIG_TTL = 120.0
-CONFIG_PERIOD = 20.0
+CONFIG_TTL_S = 120.0
+CONFIG_PERIOD_S = 20.0
 
 
-async def run_coordinator(
-    run: RunConfig,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    announce_host: str | None = None,
-    maddrs_file: str | None = None,
-) -> int:
+@dataclass
+class CoordinatorConfig:
+    host: str = setting("127.0.0.1", "interface of the DHT node (0.0.0.0 for all)")
+    port: int = setting(0, "DHT port (0: any free port)")
+    announce_host: str | None = setting(None, "IP address other machines reach the coordinator at")
+    maddrs_file: str | None = setting(None, "also write the multiaddrs to join with to this file (for scripts)")
+
+
+async def run_coordinator(run: RunConfig, cfg: CoordinatorConfig) -> int:
     text = run.to_json()  # validates size before anything starts
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    dht = SwarmDHT(run.run_id, [], host=host, port=port, announce_host=announce_host)  # main thread: see swarm.dht.node
+    host, announce_host = cfg.host, cfg.announce_host
+    dht = SwarmDHT(
+        run.run_id, [], host=host, port=cfg.port, announce_host=announce_host
+    )  # main thread: see swarm.dht.node
     set_context(peer=dht.peer_id[-6:])
-    announcer = Announcer(lambda ttl: dht.publish_config(text, ttl), CONFIG_PERIOD, CONFIG_TTL, name="config-announcer")
+    announcer = Announcer(
+        lambda ttl: dht.publish_config(text, ttl), CONFIG_PERIOD_S, CONFIG_TTL_S, name="config-announcer"
+    )
     announcer.start()
     try:
         maddrs = dht.visible_maddrs()
         if announce_host:
             maddrs = [m for m in maddrs if f"/ip4/{announce_host}/" in m] or maddrs
-        if maddrs_file:
-            tmp = f"{maddrs_file}.{os.getpid()}.tmp"
+        if cfg.maddrs_file:
+            tmp = f"{cfg.maddrs_file}.{os.getpid()}.tmp"
             with open(tmp, "w") as f:
                 f.write("\n".join(maddrs) + "\n")
-            os.replace(tmp, maddrs_file)  # atomic: readers never see a half-written file
+            os.replace(tmp, cfg.maddrs_file)  # atomic: readers never see a half-written file
         ready = {"role": "coordinator", "run_id": run.run_id, "initial_peers": maddrs, "pid": os.getpid()}
         print(READY_PREFIX + json.dumps(ready), flush=True)
         logger.info(

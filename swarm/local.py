@@ -7,38 +7,50 @@ p2pd daemons too) at the end, on Ctrl-C, or on error.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
-import os
 import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 from swarm.core.procs import ManagedProcess
+from swarm.core.settings import setting
 
 logger = logging.getLogger(__name__)
 
 
+def comma_ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated peer counts such as 3,1,1, got {text!r}") from None
+
+
 @dataclass
 class LocalOptions:
-    stages: int = 3
-    peers_per_stage: int = 2
-    stage_layout: list[int] | None = None
-    trainers: int = 1
-    steps: int = 60
-    run_id: str | None = None
-    host: str = "127.0.0.1"
-    log_dir: str | None = None
-    threads: int = 1  # torch threads per process: many processes share this machine's cores
-    startup_timeout: float = 120.0
-    run_args: list[str] = field(default_factory=list)  # passed to the coordinator (run config)
-    peer_args: list[str] = field(default_factory=list)
-    trainer_args: list[str] = field(default_factory=list)
-    python: str = sys.executable
-    env: dict[str, str] = field(default_factory=dict)  # extra environment for every process
+    stages: int = setting(3, "pipeline stages")
+    peers_per_stage: int = setting(2, "peers per stage")
+    stage_layout: list[int] | None = setting(
+        None, "peers per stage, e.g. 3,1,1 (instead of --peers-per-stage)", parse=comma_ints, metavar="N,N,..."
+    )
+    trainers: int = setting(1, "trainers (each its own process and data shard)")
+    steps: int = setting(60, "optimizer steps to train")
+    run_id: str | None = setting(None, "run id (default: random)")
+    host: str = setting("127.0.0.1", "interface every process listens on", cli=False)
+    log_dir: str | None = setting(None, "per-process logs (default runs/RUN_ID)")
+    # torch threads per process: many processes share this machine's cores
+    threads: int = setting(1, "torch threads per process")
+    startup_timeout_s: float = setting(120.0, "longest wait for a process to be ready")
+    run_args: list[str] = setting(factory=list, help="passed to the coordinator (run config)", cli=False)
+    peer_args: list[str] = setting(factory=list, help="extra arguments for every peer", cli=False)
+    trainer_args: list[str] = setting(factory=list, help="extra arguments for every trainer", cli=False)
+    python: str = setting(sys.executable, "the Python that runs the processes", cli=False)
+    env: dict[str, str] = setting(factory=dict, help="extra environment for every process", cli=False)
 
     def layout(self) -> list[int]:
         layout = self.stage_layout or [self.peers_per_stage] * self.stages
@@ -78,6 +90,7 @@ def aggregate(summaries: list[dict], wall_s: float) -> dict:
         "microbatches_requeued": sum(s.get("microbatches_requeued", 0) for s in summaries),
         "microbatches_rejected": sum(s.get("microbatches_rejected", 0) for s in summaries),
         "microbatches_cancelled": sum(s.get("microbatches_cancelled", 0) for s in summaries),
+        "failed_calls_by_code": dict(sum((Counter(s.get("failed_calls_by_code", {})) for s in summaries), Counter())),
     }
 
 
@@ -124,7 +137,7 @@ class LocalSwarm:
             *self.opts.run_args,
         )
         self.coordinator = self._spawn("coordinator", argv)
-        ready = self.coordinator.wait_ready(self.opts.startup_timeout)
+        ready = self.coordinator.wait_ready(self.opts.startup_timeout_s)
         self.initial_peers = ready["initial_peers"]
         return self.initial_peers
 
@@ -152,7 +165,7 @@ class LocalSwarm:
         proc = self._spawn(name, self.peer_argv(stage, extra))
         self.peers.append(proc)
         if wait:
-            proc.wait_ready(self.opts.startup_timeout)
+            proc.wait_ready(self.opts.startup_timeout_s)
         return proc
 
     def start_peers(self, extra: list[str] | None = None) -> list[ManagedProcess]:
@@ -161,7 +174,7 @@ class LocalSwarm:
             for _ in range(count):
                 procs.append(self.start_peer(stage, extra, wait=False))
         for proc in procs:
-            proc.wait_ready(self.opts.startup_timeout)
+            proc.wait_ready(self.opts.startup_timeout_s)
         return procs
 
     def start_trainers(self, on_line=None) -> list[ManagedProcess]:
@@ -284,15 +297,24 @@ def run_local(opts: LocalOptions, as_json: bool = False) -> dict:
         summaries = swarm.wait_trainers()
         if printer.tty:
             sys.stderr.write("\n")
-        result = aggregate(summaries, time.monotonic() - t0)
-    result["wall_s"] = time.monotonic() - t0
+    # every process has stopped: the peers' counters (their last stdout line) are in
+    result = aggregate(summaries, time.monotonic() - t0)
+    result["peers"] = [p.counters for p in swarm.peers if p.counters is not None]
     if as_json:
         print(json.dumps(result), file=out, flush=True)
     else:
-        for key, value in result.items():
-            print(f"{key:>24}: {value:.4f}" if isinstance(value, float) else f"{key:>24}: {value}", file=out)
+        print_result(result, out)
     return result
 
 
-def default_threads() -> int:
-    return 1 if (os.cpu_count() or 1) <= 8 else 2
+def print_result(result: dict, out) -> None:
+    for key, value in result.items():
+        if key != "peers":
+            print(f"{key:>24}: {value:.4f}" if isinstance(value, float) else f"{key:>24}: {value}", file=out)
+    for c in result["peers"]:
+        print(
+            f"    peer {str(c.get('peer_id'))[-8:]} stage {c.get('stage')}: step {c.get('step')}, "
+            f"{c.get('samples_processed', 0)} samples back-propagated ({c.get('predicted_samples', 0)} at predicted "
+            f"parameters), {c.get('averaging_rounds', 0)} averaging rounds",
+            file=out,
+        )

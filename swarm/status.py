@@ -6,9 +6,13 @@ import asyncio
 import json
 import sys
 
-from swarm.training.config import RunConfig
+from swarm.cluster.view import SwarmView
+from swarm.core.states import PeerState
 from swarm.dht.node import SwarmDHT
-from swarm.cluster.view import ClientPool, SwarmView
+from swarm.training.config import RunConfig
+from swarm.wire.pool import ClientPool
+
+UNREACHABLE = "unreachable"  # listed as serving, but its Info polls fail
 
 
 async def collect_status(run_id: str, initial_peers: list[str], max_events: int = 50) -> dict:
@@ -20,27 +24,27 @@ async def collect_status(run_id: str, initial_peers: list[str], max_events: int 
         if text is None:
             raise SystemExit(f"swarm status: no run config for run {run_id!r} on the DHT (wrong --run-id?)")
         run = RunConfig.from_json(text)
-        view = SwarmView(dht, run.num_stages, clients, info_timeout=3.0)
+        view = SwarmView(dht, run.num_stages, clients, info_timeout_s=3.0)
         await view.refresh_dht()
         await view.poll_info(None)
         stages = []
         for k in range(run.num_stages):
             peers = []
             for s in sorted(view.peers.values(), key=lambda s: s.peer_id):
-                if s.stage != k or s.record_state == "offline":
+                if s.stage != k or s.record_state == PeerState.OFFLINE:
                     continue
                 live = view.is_live(s)
                 peers.append(
                     {
                         "id": s.peer_id,
-                        "state": s.record_state if live else "unreachable",
+                        "state": s.record_state.value if live else UNREACHABLE,
                         "throughput": round(s.load.throughput, 3),
                         "address": s.load.address,
                         "step": s.step,
                         "queue": int(s.load.reported_queue),
                     }
                 )
-            total = sum(p["throughput"] for p in peers if p["state"] == "online")
+            total = sum(p["throughput"] for p in peers if p["state"] == PeerState.ONLINE)
             stages.append({"index": k, "peers": peers, "throughput": round(total, 3)})
         bottleneck = min(stages, key=lambda st: st["throughput"])["index"] if stages else None
         events = []

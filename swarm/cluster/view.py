@@ -16,9 +16,12 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from swarm.dht.node import PeerEntry, SwarmDHT
-from swarm.wire.client import StageClient
+from swarm.core.settings import DHT_REFRESH_S, INFO_PERIOD_S, INFO_TIMEOUT_S, LIVENESS_WINDOW_S
+from swarm.core.states import PeerState
+from swarm.dht.node import SwarmDHT
+from swarm.dht.records import PeerEntry
 from swarm.policy.wiring import PeerLoad
+from swarm.wire.pool import ClientPool
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +29,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class PeerStatus:
     load: PeerLoad
-    record_state: str = "joining"
+    record_state: PeerState = PeerState.JOINING
     record_expiration: float = 0.0
     step: int = 0
     accumulating_step: int = 0
@@ -45,26 +48,12 @@ class PeerStatus:
         return self.load.stage
 
 
-class ClientPool:
-    """One gRPC channel per peer address, reused by every call."""
-
-    def __init__(self, max_message_bytes: int = 256 << 20) -> None:
-        self.max_message_bytes = max_message_bytes
-        self._clients: dict[str, StageClient] = {}
-
-    def get(self, address: str) -> StageClient:
-        client = self._clients.get(address)
-        if client is None:
-            client = self._clients[address] = StageClient(address, self.max_message_bytes)
-        return client
-
-    async def close(self) -> None:
-        clients, self._clients = list(self._clients.values()), {}
-        for client in clients:
-            try:
-                await client.close()
-            except Exception:  # noqa: BLE001
-                pass
+def _state_of(text: str) -> PeerState:
+    """A state a peer reports in Info; an unknown one (a newer peer) counts as not serving."""
+    try:
+        return PeerState(text)
+    except ValueError:
+        return PeerState.OFFLINE
 
 
 class SwarmView:
@@ -73,19 +62,13 @@ class SwarmView:
         dht: SwarmDHT,
         num_stages: int,
         clients: ClientPool,
-        dht_period: float = 2.0,
-        info_period: float = 0.25,
-        info_timeout: float = 2.0,
-        dead_after: float = 4.0,
+        dht_period_s: float = DHT_REFRESH_S,
+        info_period_s: float = INFO_PERIOD_S,
+        info_timeout_s: float = INFO_TIMEOUT_S,
         exclude_peer: str | None = None,
     ) -> None:
         self.dht, self.num_stages, self.clients = dht, num_stages, clients
-        self.dht_period, self.info_period, self.info_timeout, self.dead_after = (
-            dht_period,
-            info_period,
-            info_timeout,
-            dead_after,
-        )
+        self.dht_period_s, self.info_period_s, self.info_timeout_s = dht_period_s, info_period_s, info_timeout_s
         self.exclude_peer = exclude_peer
         self.peers: dict[str, PeerStatus] = {}
         self.changed = asyncio.Event()
@@ -101,12 +84,12 @@ class SwarmView:
 
     def is_live(self, status: PeerStatus, now: float | None = None) -> bool:
         now = time.monotonic() if now is None else now
-        if status.record_state not in ("online", "draining"):
+        if not status.record_state.serving:
             return False
         if status.last_info_ok:
-            return now - status.last_info_ok < self.dead_after
+            return now - status.last_info_ok < LIVENESS_WINDOW_S
         # never reached yet: optimistic until the first poll fails
-        return status.info_failures == 0 and now - status.first_seen < self.dead_after + self.info_timeout
+        return status.info_failures == 0 and now - status.first_seen < LIVENESS_WINDOW_S + self.info_timeout_s
 
     def stage_peers(self, stage: int, live_only: bool = True) -> list[PeerStatus]:
         now = time.monotonic()
@@ -122,7 +105,7 @@ class SwarmView:
             peers = ready or peers
         out = []
         for s in peers:
-            s.load.online = s.record_state == "online"
+            s.load.online = s.record_state == PeerState.ONLINE
             out.append(s.load)
         return out
 
@@ -149,10 +132,10 @@ class SwarmView:
                 rec = entry.record
                 if rec.peer_id == self.exclude_peer:
                     continue
-                if rec.state == "offline":
+                if rec.state == PeerState.OFFLINE:
                     self.offline_seen.add(rec.peer_id)
                     if rec.peer_id in self.peers and self.peers[rec.peer_id].stage == stage:
-                        self.peers[rec.peer_id].record_state = "offline"
+                        self.peers[rec.peer_id].record_state = PeerState.OFFLINE
                     continue
                 seen.add(rec.peer_id)
                 status = self.peers.get(rec.peer_id)
@@ -165,14 +148,14 @@ class SwarmView:
                             old.load.total_failures,
                         )
                     self.peers[rec.peer_id] = status
-                status.record_state = rec.state
+                status.record_state = PeerState(rec.state)
                 status.record_expiration = entry.expiration
                 if rec.throughput > 0:
                     status.load.throughput = rec.throughput
         for peer_id in list(self.peers):
-            if peer_id not in seen and self.peers[peer_id].record_state != "offline":
+            if peer_id not in seen and self.peers[peer_id].record_state != PeerState.OFFLINE:
                 # its record expired or it went offline: keep it a little for bookkeeping, not for wiring
-                self.peers[peer_id].record_state = "offline"
+                self.peers[peer_id].record_state = PeerState.OFFLINE
 
     async def refresh_dht(self) -> None:
         loop = asyncio.get_running_loop()
@@ -186,7 +169,7 @@ class SwarmView:
 
     async def _poll_one(self, status: PeerStatus) -> None:
         try:
-            info = await self.clients.get(status.load.address).info(timeout=self.info_timeout)
+            info = await self.clients.get(status.load.address).info(timeout=self.info_timeout_s)
         except grpc.aio.AioRpcError:
             status.info_failures += 1
             return
@@ -205,13 +188,15 @@ class SwarmView:
         status.fingerprint = (info.params_sum, info.params_abs)
         status.load.reported_queue = float(info.queue_length)
         # Info is fresher than the DHT record; a peer that moved waits for its new record.
-        status.record_state = info.state if info.stage == status.stage else "offline"
+        status.record_state = _state_of(info.state) if info.stage == status.stage else PeerState.OFFLINE
         if info.throughput > 0:
             status.load.throughput = info.throughput
 
     async def poll_info(self, stages: set[int] | None = None) -> None:
         targets = [
-            s for s in self.peers.values() if s.record_state != "offline" and (stages is None or s.stage in stages)
+            s
+            for s in self.peers.values()
+            if s.record_state != PeerState.OFFLINE and (stages is None or s.stage in stages)
         ]
         if targets:
             await asyncio.gather(*(self._poll_one(s) for s in targets))
@@ -228,12 +213,12 @@ class SwarmView:
                 await self.refresh_dht()
             except Exception as e:  # noqa: BLE001 - keep the view alive through DHT hiccups
                 logger.warning("DHT refresh failed: %s", e)
-            await asyncio.sleep(self.dht_period)
+            await asyncio.sleep(self.dht_period_s)
 
     async def _info_loop(self) -> None:
         while True:
             await self.poll_info(self.poll_stages)
-            await asyncio.sleep(self.info_period)
+            await asyncio.sleep(self.info_period_s)
 
     def start(self, poll_stages: set[int] | None = None) -> None:
         """Refresh the DHT records of all stages; poll Info of the peers of `poll_stages` (all if None;

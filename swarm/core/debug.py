@@ -21,13 +21,16 @@ from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
-FAIL_MODES = ("kill", "stop", "exit")
+FAIL_MODES = ("kill", "stop", "exit", "leave")
+LEAVE = "leave"  # the peer daemon's own mode (swarm.peer.daemon): see FaultPlan
 
 
 @dataclass
 class FaultPlan:
     """Fail when the stage reaches `fail_at_step`: SIGKILL self (kill), SIGSTOP self (stop; a test
-    resumes it with SIGCONT), or exit at once with code 3 (exit)."""
+    resumes it with SIGCONT), exit at once with code 3 (exit), or leave the stage the hard way
+    (leave: the compute stops while the peer still looks online to trainers, as in the moment a peer
+    starts to leave before its record and Info say so; then it moves to the next stage)."""
 
     fail_at_step: int | None = None
     fail_mode: str = "kill"
@@ -43,6 +46,8 @@ class FaultPlan:
         """Act now (call when `due`). A stopped process fires once: after SIGCONT it carries on."""
         logger.warning("fault injection: %s at step %d", self.fail_mode, step)
         sys.stderr.flush()
+        if self.fail_mode == LEAVE:
+            raise ValueError("the leave fault is the peer daemon's to carry out")
         if self.fail_mode == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif self.fail_mode == "stop":

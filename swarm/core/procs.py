@@ -12,7 +12,6 @@ import queue
 import signal
 import subprocess
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,15 +20,29 @@ logger = logging.getLogger(__name__)
 READY_PREFIX = "SWARM_READY "
 PROGRESS_PREFIX = "SWARM_PROGRESS "
 SUMMARY_PREFIX = "SWARM_SUMMARY "
+COUNTERS_PREFIX = "SWARM_COUNTERS "  # a peer's counters, printed once at shutdown
+PARSED_LINES = (
+    (READY_PREFIX, "ready"),
+    (PROGRESS_PREFIX, "progress"),
+    (SUMMARY_PREFIX, "summary"),
+    (COUNTERS_PREFIX, "counters"),
+)
 
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Ask Linux to send `sig` to this process when the thread that created it exits (no-op where
+    prctl is missing). hivemind's DHT and averager processes and their p2pd daemons use it so that a
+    SIGKILLed peer leaves nothing serving on its behalf; `ManagedProcess` children get SIGTERM."""
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
     except OSError:
         pass
+
+
+def _die_gracefully_with_parent() -> None:
+    die_with_parent(signal.SIGTERM)
 
 
 class ProcessExited(RuntimeError):
@@ -52,6 +65,7 @@ class ManagedProcess:
         self.ready: dict | None = None
         self.summary: dict | None = None
         self.progress: dict | None = None
+        self.counters: dict | None = None
         self.stdout_lines: list[str] = []
         self._ready_event = threading.Event()
         self._events: queue.Queue = queue.Queue()
@@ -62,7 +76,7 @@ class ManagedProcess:
             stdin=subprocess.DEVNULL,
             env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=_die_gracefully_with_parent,
             text=True,
             bufsize=1,
         )
@@ -79,7 +93,7 @@ class ManagedProcess:
             line = raw.rstrip("\n")
             self.stdout_lines.append(line)
             payload = None
-            for prefix, attr in ((READY_PREFIX, "ready"), (PROGRESS_PREFIX, "progress"), (SUMMARY_PREFIX, "summary")):
+            for prefix, attr in PARSED_LINES:
                 if line.startswith(prefix):
                     try:
                         payload = json.loads(line[len(prefix) :])
@@ -160,11 +174,3 @@ def group_alive(pgid: int) -> bool:
         return False
     except PermissionError:
         return True
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.1, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)

@@ -38,10 +38,12 @@ def setting(
     flag: str | None = None,
     choices: typing.Sequence[Any] | None = None,
     metavar: str | None = None,
+    parse: typing.Callable[[str], Any] | None = None,
     cli: bool = True,
 ) -> Any:
-    """A dataclass field with its help text. `cli=False` keeps it off the command line (set by code)."""
-    metadata = {"help": help, "flag": flag, "choices": choices, "metavar": metavar, "cli": cli}
+    """A dataclass field with its help text. `parse` turns the option's text into the value (default:
+    the field's type); `cli=False` keeps it off the command line (set by code)."""
+    metadata = {"help": help, "flag": flag, "choices": choices, "metavar": metavar, "parse": parse, "cli": cli}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -59,6 +61,11 @@ def _base_type(hint: Any) -> tuple[type, bool]:
         optional = len(args) < len(typing.get_args(hint))
         hint = args[0]
     return hint, optional
+
+
+def default_of(cls: type, name: str) -> Any:
+    """A dataclass field's default, for options that are not generated (e.g. set in two places)."""
+    return _default_of(next(f for f in dataclasses.fields(cls) if f.name == name))
 
 
 def _default_of(field: dataclasses.Field) -> Any:
@@ -93,17 +100,23 @@ def add_settings(
             continue
         hint, optional = _base_type(hints[field.name])
         default = (defaults or {}).get(field.name, _default_of(field))
-        shown = _default_of(field) if overrides_only else default
+        shown = _default_of(field) if overrides_only or default is None else default
         text = field.metadata["help"]
         if field.name.endswith("_s") and "second" not in text:
             text += ", in seconds"
-        if shown not in (None, _MISSING, False, "") and not (isinstance(shown, list) and not shown):
+        if hint is bool and shown is not _MISSING and shown is not None:
+            text += f" (default {'on' if shown else 'off'})"
+        elif shown not in (None, _MISSING, "") and not (isinstance(shown, list) and not shown):
             text += f" (default {shown})"
         text = text.replace("%", "%%")
         kwargs: dict[str, Any] = {"dest": field.name, "help": text}
         if field.metadata.get("metavar"):
             kwargs["metavar"] = field.metadata["metavar"]
-        if hint is bool:
+        elif field.name.endswith("_s") and hint is not bool:
+            kwargs["metavar"] = "SECONDS"
+        if field.metadata.get("parse"):
+            kwargs["type"] = field.metadata["parse"]
+        elif hint is bool:
             kwargs["action"] = argparse.BooleanOptionalAction if default or overrides_only else "store_true"
         elif typing.get_origin(hint) is list:
             (item,) = typing.get_args(hint)

@@ -8,14 +8,7 @@ Values stay small (hundreds of bytes): the DHT carries no tensors.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
-import signal
-import threading
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Literal
 
 import pydantic.v1 as pydantic
 from hivemind.dht import DHT
@@ -23,52 +16,11 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import SchemaValidator
 from hivemind.utils import get_dht_time
 
+from swarm.core.procs import die_with_parent
+from swarm.core.settings import DHT_TIMEOUT_S
+from swarm.dht.records import MAX_STAGES, EventRecord, PeerEntry, PeerRecord, SwarmSchema
+
 logger = logging.getLogger(__name__)
-
-MAX_STAGES = 64
-PEER_STATES = ("joining", "online", "draining", "offline")
-
-
-class PeerRecord(pydantic.BaseModel):
-    """What a peer announces about itself under its stage's key (strict types: no conversions)."""
-
-    peer_id: pydantic.constr(strict=True, max_length=80)
-    state: Literal["joining", "online", "draining", "offline"]
-    address: pydantic.constr(strict=True, max_length=200)
-    throughput: pydantic.confloat(strict=True, ge=0.0)
-    queue: pydantic.conint(strict=True, ge=0)
-    step: pydantic.conint(strict=True, ge=0)
-    version: pydantic.constr(strict=True, max_length=40)
-    device: pydantic.constr(strict=True, max_length=40) = "cpu"
-
-    class Config:
-        extra = pydantic.Extra.forbid
-
-
-class EventRecord(pydantic.BaseModel):
-    events: pydantic.conlist(pydantic.constr(strict=True, max_length=400), max_items=16)
-
-    class Config:
-        extra = pydantic.Extra.forbid
-
-
-_OwnerKey = pydantic.conbytes(strict=True, max_length=1024)
-_schema_fields: dict = {f"stage_{k}": (dict[_OwnerKey, PeerRecord] | None, None) for k in range(MAX_STAGES)}
-_schema_fields["config"] = (dict[_OwnerKey, pydantic.constr(strict=True, max_length=4000)] | None, None)
-_schema_fields["events"] = (dict[_OwnerKey, EventRecord] | None, None)
-# hivemind's SchemaValidator is written against pydantic's v1 API (pydantic.v1 under pydantic 2).
-SwarmSchema = pydantic.create_model("SwarmSchema", __module__=__name__, **_schema_fields)
-
-
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent(sig: int = signal.SIGKILL) -> None:
-    """Ask Linux to kill this process when the thread that created it exits (no-op elsewhere)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
-    except OSError:
-        pass
 
 
 class _DyingDHT(DHT):
@@ -90,13 +42,6 @@ class _DyingDHT(DHT):
         super().run()
 
 
-@dataclass(frozen=True)
-class PeerEntry:
-    owner: bytes
-    record: PeerRecord
-    expiration: float
-
-
 class SwarmDHT:
     """A hivemind DHT node with the swarm's validators and typed accessors for its records."""
 
@@ -109,7 +54,7 @@ class SwarmDHT:
         announce_host: str | None = None,
         start_timeout: float = 60.0,
         client_mode: bool = False,
-        timeout: float = 15.0,
+        timeout: float = DHT_TIMEOUT_S,
     ) -> None:
         self.run_id = run_id
         self.timeout = timeout
@@ -162,8 +107,7 @@ class SwarmDHT:
     def announce_peer(self, stage: int, record: PeerRecord, ttl: float) -> bool:
         return self._store(self.stage_key(stage), self.owner, record.dict(), get_dht_time() + ttl)
 
-    def get_stage(self, stage: int, latest: bool = True) -> list[PeerEntry]:
-        found = self._get(self.stage_key(stage))
+    def _entries(self, key: str, found) -> list[PeerEntry]:
         entries: list[PeerEntry] = []
         if found is None or not isinstance(found.value, dict):
             return entries
@@ -171,23 +115,14 @@ class SwarmDHT:
             try:
                 entries.append(PeerEntry(owner, PeerRecord.parse_obj(item.value), item.expiration_time))
             except pydantic.ValidationError:
-                logger.warning("ignoring a malformed record under %s", self.stage_key(stage))
+                logger.warning("ignoring a malformed record under %s", key)
         return entries
 
     def get_all_stages(self, num_stages: int) -> dict[int, list[PeerEntry]]:
-        futures = {k: self.dht.get(self.stage_key(k), latest=True, return_future=True) for k in range(num_stages)}
-        out: dict[int, list[PeerEntry]] = {}
-        for k, fut in futures.items():
-            found = fut.result(timeout=self.timeout)
-            out[k] = []
-            if found is None or not isinstance(found.value, dict):
-                continue
-            for owner, item in found.value.items():
-                try:
-                    out[k].append(PeerEntry(owner, PeerRecord.parse_obj(item.value), item.expiration_time))
-                except pydantic.ValidationError:
-                    logger.warning("ignoring a malformed record under %s", self.stage_key(k))
-        return out
+        """Every stage's peer records, fetched concurrently (each within the DHT deadline)."""
+        keys = {k: self.stage_key(k) for k in range(num_stages)}
+        futures = {k: self.dht.get(key, latest=True, return_future=True) for k, key in keys.items()}
+        return {k: self._entries(keys[k], fut.result(timeout=self.timeout)) for k, fut in futures.items()}
 
     # ---- run config ----
 
@@ -226,47 +161,3 @@ class SwarmDHT:
             self.dht.shutdown()
         except Exception:  # noqa: BLE001 - shutting down anyway
             logger.debug("DHT shutdown raised", exc_info=True)
-
-
-class Announcer:
-    """Refreshes a record in the background every `period` seconds (TTL = `ttl`), like Petals' announcer.
-
-    `stop()` stores the final (offline) record once, explicitly, so that readers need not wait for
-    the TTL to learn that the peer left.
-    """
-
-    def __init__(self, publish: Callable[[float], bool], period: float, ttl: float, name: str = "announcer") -> None:
-        self.publish, self.period, self.ttl = publish, period, ttl
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self.last_ok: float | None = None
-
-    def start(self) -> Announcer:
-        self._thread.start()
-        return self
-
-    def refresh_now(self) -> None:
-        self._wake.set()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                if self.publish(self.ttl):
-                    self.last_ok = time.monotonic()
-                else:
-                    logger.warning("DHT store was rejected")
-            except Exception as e:  # noqa: BLE001 - keep announcing through transient errors
-                logger.warning("announce failed: %s", e)
-            self._wake.wait(self.period)
-            self._wake.clear()
-
-    def stop(self, final: Callable[[], object] | None = None) -> None:
-        self._stop.set()
-        self._wake.set()
-        self._thread.join(timeout=self.period + 5)
-        if final is not None:
-            try:
-                final()
-            except Exception as e:  # noqa: BLE001
-                logger.warning("final announce failed: %s", e)

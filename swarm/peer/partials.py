@@ -2,7 +2,7 @@
 
 Each peer of a stage holds the gradients of the microbatches routed to it, so with two mates each
 holds about half of what the stage knows about the pending update. The look-ahead
-(`StageExecutor._predicted`) predicts that update from the gradients at hand, and a prediction from
+(swarm.peer.executor.lookahead) predicts that update from the gradients at hand, and a prediction from
 a quarter of a batch costs far more than one from half (scripts/staleness_effect.py). So a peer
 fetches a mate's sum (`GetPartialGradient`, bfloat16) whenever the mate's `Info` shows more samples
 for the pending update than the peer last fetched from it, and predicts from all of them. The
@@ -18,24 +18,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator
+from typing import Protocol
 
 import grpc
 import torch
 
+from swarm.cluster.view import PeerStatus
 from swarm.core.checks import all_finite
+from swarm.core.errors import StateError, SwarmError, WrongTarget
+from swarm.core.states import PeerState
 from swarm.peer.executor import Accumulated, StageExecutor
-from swarm.training.state import StateError, receive_blob, state_chunks
+from swarm.wire.blob import blob_chunks, receive_blob
+from swarm.wire.pool import ClientPool
 from swarm.wire.protocol import pb
-
-if TYPE_CHECKING:  # the peer side only; the server imports this module too
-    from swarm.cluster.view import ClientPool, PeerStatus
 
 logger = logging.getLogger(__name__)
 
 
-class PartialUnavailable(Exception):
+class PartialUnavailable(WrongTarget):
     """The requested update is not the one pending on this peer."""
 
 
@@ -77,8 +78,20 @@ async def partial_chunks(executor: StageExecutor, step: int) -> AsyncIterator[by
     if partial is None:
         raise PartialUnavailable(f"step {step} is not pending here (this peer is at step {executor.step})")
     fields, data = encode_partial(partial)
-    async for chunk in state_chunks(data, step, checksum=False, **fields):
+    async for chunk in blob_chunks(data, checksum=False, step=step, **fields):
         yield chunk
+
+
+class MateSource(Protocol):
+    """What the fetcher needs of the peer (its membership: swarm.peer.membership)."""
+
+    @property
+    def executor(self) -> StageExecutor | None: ...
+
+    @property
+    def stage(self) -> int: ...
+
+    def live_mates(self) -> list[PeerStatus]: ...
 
 
 class MatePartials:
@@ -86,18 +99,15 @@ class MatePartials:
 
     def __init__(
         self,
-        executor: Callable[[], StageExecutor | None],
-        live_mates: Callable[[], list[PeerStatus]],
+        peer: MateSource,
         clients: ClientPool,
         run_id: str,
-        stage: Callable[[], int],
-        interval: float = 0.5,
-        timeout: float = 5.0,
+        interval_s: float = 0.5,
+        timeout_s: float = 5.0,
         max_bytes: int = 1 << 30,
     ) -> None:
-        self.executor, self.live_mates, self.clients = executor, live_mates, clients
-        self.run_id, self.stage = run_id, stage
-        self.interval, self.timeout, self.max_bytes = interval, timeout, max_bytes
+        self.peer, self.clients, self.run_id = peer, clients, run_id
+        self.interval_s, self.timeout_s, self.max_bytes = interval_s, timeout_s, max_bytes
         self.fetched: dict[str, tuple[int, int]] = {}  # peer id -> (step, samples) last installed
         self.fetches = 0
         self.failures = 0
@@ -110,7 +120,7 @@ class MatePartials:
         cancel the fetches in flight when cancelled."""
         try:
             while True:
-                await asyncio.sleep(self.interval)
+                await asyncio.sleep(self.interval_s)
                 self.poll()
         finally:
             for task in list(self._tasks):
@@ -118,13 +128,13 @@ class MatePartials:
 
     def poll(self) -> None:
         """Start a fetch from each mate at our pending step that holds more samples than we have."""
-        ex = self.executor()
+        ex = self.peer.executor
         if ex is None or not ex.predict_params:
             return
         now = time.monotonic()
-        for mate in self.live_mates():
+        for mate in self.peer.live_mates():
             pid = mate.peer_id
-            if pid in self._in_flight or mate.record_state != "online" or mate.step != ex.step:
+            if pid in self._in_flight or mate.record_state != PeerState.ONLINE or mate.step != ex.step:
                 continue
             if now < self._backoff.get(pid, (0.0, 0.0))[0]:
                 continue
@@ -139,11 +149,11 @@ class MatePartials:
     async def _fetch(self, mate: PeerStatus, ex: StageExecutor, step: int) -> None:
         pid = mate.peer_id
         try:
-            request = pb.PartialRequest(run_id=self.run_id, stage=self.stage(), step=step)
-            stream = self.clients.get(mate.load.address).get_partial_gradient(request, timeout=self.timeout)
+            request = pb.PartialRequest(run_id=self.run_id, stage=self.peer.stage, step=step)
+            stream = self.clients.get(mate.load.address).get_partial_gradient(request, timeout=self.timeout_s)
             header, data = await receive_blob(stream, self.max_bytes, "partial gradient")
             partial = decode_partial(header, data, ex.params, step)
-            if ex is not self.executor():
+            if ex is not self.peer.executor:
                 return  # this peer moved to another stage meanwhile
             if await asyncio.wrap_future(ex.call(lambda: ex.set_mate_partial(pid, partial))):
                 self.fetched[pid] = (step, partial.samples)
@@ -152,7 +162,7 @@ class MatePartials:
         except grpc.aio.AioRpcError as e:
             if e.code() != grpc.StatusCode.FAILED_PRECONDITION:  # else the mate merely moved on a step
                 self._failed(pid, f"{e.code().name}: {(e.details() or '')[:120]}")
-        except (ValueError, RuntimeError) as e:  # a bad sum (StateError), or this executor stopped
+        except (SwarmError, ValueError) as e:  # a bad sum (StateError), or this executor stopped
             self._failed(pid, str(e))
         finally:
             self._in_flight.discard(pid)

@@ -14,19 +14,37 @@ import asyncio
 import logging
 import random
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from swarm.training.models import stage_costs
+from swarm.cluster.view import PeerStatus
+from swarm.core.settings import LIVENESS_WINDOW_S
+from swarm.core.states import PeerState
+from swarm.dht.records import PeerEntry
 from swarm.policy.rebalance import Move, PeerInfo, plan_move
-
-if TYPE_CHECKING:
-    from swarm.peer.daemon import Peer
 
 logger = logging.getLogger(__name__)
 
 # a stage-mate counts as present for a move only if it answered Info this recently (mates are
 # polled every 0.1 s; a killed one fails its next poll at once, a frozen one stops answering)
-MATE_ANSWER_S = 2.0
+MATE_ANSWERED_WITHIN_S = LIVENESS_WINDOW_S / 2
+
+
+class Movable(Protocol):
+    """What the placement loop needs of the peer (its membership: swarm.peer.membership)."""
+
+    @property
+    def peer_id(self) -> str: ...
+
+    @property
+    def step(self) -> int: ...
+
+    def may_move(self) -> bool: ...
+
+    def read_records(self) -> dict[int, list[PeerEntry]]: ...
+
+    def live_mates(self) -> list[PeerStatus]: ...
+
+    async def move_to(self, dst: int, reason: str, before: float, after: float) -> None: ...
 
 
 def assignment_from_records(records: dict, num_stages: int) -> list[PeerInfo]:
@@ -37,63 +55,71 @@ def assignment_from_records(records: dict, num_stages: int) -> list[PeerInfo]:
     for stage in range(num_stages):
         for entry in records.get(stage, []):
             rec = entry.record
-            if rec.state == "joining" or (rec.state == "online" and rec.peer_id not in seen):
+            if rec.state == PeerState.JOINING or (rec.state == PeerState.ONLINE and rec.peer_id not in seen):
                 seen[rec.peer_id] = PeerInfo(rec.peer_id, stage, max(rec.throughput, 1e-3))
     return list(seen.values())
 
 
 class PlacementLoop:
-    def __init__(self, peer: Peer, rng: random.Random | None = None) -> None:
-        self.peer = peer
+    def __init__(
+        self,
+        peer: Movable,
+        num_stages: int,
+        stage_costs: list[float] | None,
+        period_s: float,
+        threshold: float,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.peer, self.num_stages, self.stage_costs = peer, num_stages, stage_costs
+        self.period_s, self.threshold = period_s, threshold
         self.rng = rng or random.Random()
 
     async def plan(self) -> Move | None:
-        peer = self.peer
-        loop = asyncio.get_running_loop()
-        records = await loop.run_in_executor(None, peer.dht.get_all_stages, peer.run.num_stages)
-        assignment = assignment_from_records(records, peer.run.num_stages)
-        if not any(p.peer_id == peer.dht.peer_id for p in assignment):
+        records = await asyncio.get_running_loop().run_in_executor(None, self.peer.read_records)
+        assignment = assignment_from_records(records, self.num_stages)
+        if not any(p.peer_id == self.peer.peer_id for p in assignment):
             return None  # this peer's own record is not visible yet
-        if any(e.record.state == "draining" for entries in records.values() for e in entries):
+        if any(e.record.state == PeerState.DRAINING for entries in records.values() for e in entries):
             return None  # a move (or a departure) is under way: let the records settle first
-        costs = stage_costs(peer.run.model, peer.run.num_stages)
-        return plan_move(assignment, peer.run.num_stages, peer.cfg.rebalance_threshold, stage_costs=costs)
+        return plan_move(assignment, self.num_stages, self.threshold, stage_costs=self.stage_costs)
 
     def _mates_caught_up(self) -> bool:
         """Leave a stage only to mates that answer now and hold its current state: a mate still
         joining (or one whose step is unknown) could otherwise be left alone with an old state, and
-        a mate that just died still counts as live for a few seconds (its DHT record, `dead_after`):
-        leaving then would empty the stage. A mate counts only if its latest poll succeeded, recently."""
-        peer = self.peer
+        a mate that just died still counts as live for a few seconds (the liveness window): leaving
+        then would empty the stage. A mate counts only if its latest poll succeeded, recently."""
         now = time.monotonic()
-        mates = [m for m in peer.live_mates() if m.record_state == "online"]
-        step = peer.executor.step
+        mates = [m for m in self.peer.live_mates() if m.record_state == PeerState.ONLINE]
+        step = self.peer.step
         ok = bool(mates) and all(
-            m.last_info_ok and m.info_failures == 0 and now - m.last_info_ok < MATE_ANSWER_S and m.step >= step - 1
+            m.last_info_ok
+            and m.info_failures == 0
+            and now - m.last_info_ok < MATE_ANSWERED_WITHIN_S
+            and m.step >= step - 1
             for m in mates
         )
         if not ok:
             logger.info("not moving yet: the stage-mates have not caught up with step %d", step)
         return ok
 
+    async def _round(self) -> None:
+        move = await self.plan()
+        if move is None or move.peer_id != self.peer.peer_id or not self._mates_caught_up():
+            return
+        await asyncio.sleep(self.rng.uniform(0.0, 1.0))
+        confirmed = await self.plan()  # fresh records: still this peer, still this move?
+        if confirmed is None or confirmed.peer_id != self.peer.peer_id or confirmed.dst != move.dst:
+            return
+        if not self._mates_caught_up():  # a mate may have died during the pause
+            return
+        await self.peer.move_to(move.dst, move.reason, move.before, move.after)
+
     async def run(self) -> None:
-        peer, cfg = self.peer, self.peer.cfg
-        while not peer.stop_event.is_set():
-            await asyncio.sleep(cfg.rebalance_period * self.rng.uniform(0.7, 1.3))
-            if peer.serving.state != "online" or time.monotonic() - peer.last_placement < cfg.move_cooldown:
+        while True:
+            await asyncio.sleep(self.period_s * self.rng.uniform(0.7, 1.3))
+            if not self.peer.may_move():
                 continue
             try:
-                move = await self.plan()
-                if move is None or move.peer_id != peer.dht.peer_id:
-                    continue
-                if not self._mates_caught_up():
-                    continue
-                await asyncio.sleep(self.rng.uniform(0.0, 1.0))
-                confirmed = await self.plan()  # fresh records: still this peer, still this move?
-                if confirmed is None or confirmed.peer_id != peer.dht.peer_id or confirmed.dst != move.dst:
-                    continue
-                if not self._mates_caught_up():  # a mate may have died during the pause
-                    continue
-                await peer.move_to(move.dst, move.reason, move.before, move.after)
+                await self._round()
             except Exception:  # noqa: BLE001 - a failed round must not stop rebalancing or the peer
                 logger.exception("rebalancing round failed")

@@ -1,8 +1,11 @@
 """The gRPC `Stage` service of a peer: decode, validate, hand to the executor, encode.
 
 Handlers take raw bytes (no generated deserializer) so that a malformed message gets a clear
-INVALID_ARGUMENT instead of a generic INTERNAL error. Every error goes back as a gRPC status; the
-server keeps serving.
+INVALID_ARGUMENT instead of a generic INTERNAL error. Errors are typed (swarm.core.errors) and
+mapped to gRPC status codes by type (`status_of`): a request's own fault is INVALID_ARGUMENT (or
+RESOURCE_EXHAUSTED when too large), a request for another run or stage FAILED_PRECONDITION, a
+transient state of the peer (joining, leaving its stage, shutting down) UNAVAILABLE, so that the
+trainer retries elsewhere. The server keeps serving whatever it is sent.
 """
 
 from __future__ import annotations
@@ -10,19 +13,29 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 
 import grpc
-import torch
 
-from swarm.core.checks import all_finite
-from swarm.peer.executor import NonFiniteError, StageExecutor
+from swarm.core.errors import (
+    NotServing,
+    Overloaded,
+    RequestInvalid,
+    RequestTooLarge,
+    StepNotReady,
+    SwarmError,
+    WrongTarget,
+)
+from swarm.peer.executor import StageExecutor
+from swarm.peer.partials import partial_chunks
+from swarm.peer.requests import check_grad_output, decode_targets
+from swarm.peer.serving import Limits, ServingState
+from swarm.peer.state_transfer import state_stream
+from swarm.peer.streaming import StreamedRequest
 from swarm.training.models import StageSchema
-from swarm.peer.partials import PartialUnavailable, partial_chunks
 from swarm.wire import codec, messages
-from swarm.wire.codec import MessageTooLarge, WireError
-from swarm.wire.options import MiB, channel_options
+from swarm.wire.codec import WireError
+from swarm.wire.options import channel_options
 from swarm.wire.protocol import pb
 from swarm.wire.stream import PARTS_KEY, RESPONSE_KEY
 from swarm.wire.tensors import split_samples
@@ -31,134 +44,29 @@ logger = logging.getLogger(__name__)
 
 SERVICE = "swarm.Stage"
 
-
-@dataclass(frozen=True)
-class Limits:
-    max_message_bytes: int = 256 * MiB
-    max_numel: int = 1 << 28
-    max_batch: int = 256
-
-
-class ServingState:
-    """What the service serves right now; the peer swaps `executor`/`schema`/`stage` when it moves."""
-
-    def __init__(self, run_id: str, peer_id: str, version: str) -> None:
-        self.run_id, self.peer_id, self.version = run_id, peer_id, version
-        self.stage: int = -1
-        self.state: str = "joining"
-        self.executor: StageExecutor | None = None
-        self.schema: StageSchema | None = None
-        self.codec: int = pb.CODEC_NONE
-        self.started = time.monotonic()
-        self.throughput: float = 0.0
-        self.in_flight = 0
-        self.state_provider: Callable[[], object] | None = None
-        # exact mode: a request for step t is computed only once this peer has applied step t - 1
-        self.exact = False
-        self.step_wait_s = 20.0
-
-    def info(self) -> pb.InfoResponse:
-        ex = self.executor
-        fp_step, fp_sum, fp_abs = (0, 0.0, 0.0) if ex is None else ex.fingerprint
-        return pb.InfoResponse(
-            peer_id=self.peer_id,
-            run_id=self.run_id,
-            stage=self.stage,
-            state=self.state,
-            throughput=self.throughput,
-            queue_length=0 if ex is None else ex.queue_length,
-            version=self.version,
-            step=fp_step,
-            samples_accumulated=0 if ex is None else ex.samples_accumulated,
-            accumulating_step=0 if ex is None else ex.accumulating_step,
-            uptime_ms=int((time.monotonic() - self.started) * 1000),
-            num_parameters=0 if ex is None else sum(p.numel() for p in ex.params),
-            samples_processed=0 if ex is None else ex.samples_processed,
-            samples_discarded=0 if ex is None else ex.samples_discarded,
-            averaging_rounds=0 if ex is None else ex.averaging_rounds,
-            params_sum=fp_sum,
-            params_abs=fp_abs,
-            compute_seconds=0.0 if ex is None else ex.compute_seconds,
-            samples_predicted=0 if ex is None else ex.predicted_samples,
-        )
+STATUS_OF_ERROR: dict[type[BaseException], grpc.StatusCode] = {
+    RequestTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    RequestInvalid: grpc.StatusCode.INVALID_ARGUMENT,
+    WrongTarget: grpc.StatusCode.FAILED_PRECONDITION,
+    NotServing: grpc.StatusCode.UNAVAILABLE,
+}
 
 
-class RequestError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-_HANDLED = (WireError, RequestError, NonFiniteError, ValueError, IndexError, TypeError, RuntimeError)
-
-
-def _status_of(e: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The gRPC status a request error maps to."""
-    if isinstance(e, RequestError):
-        return e.code, e.args[0]
-    if isinstance(e, MessageTooLarge):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
-    if isinstance(e, (WireError, NonFiniteError)):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(e)
-    if isinstance(e, RuntimeError) and "shutting down" in str(e):
-        return grpc.StatusCode.UNAVAILABLE, str(e)
-    # torch raises RuntimeError on shape mismatches: the request's fault
-    return grpc.StatusCode.INVALID_ARGUMENT, f"{type(e).__name__}: {e}"
+def status_of(e: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status of an error, by its type (the most specific class that has one)."""
+    for cls in type(e).__mro__:
+        code = STATUS_OF_ERROR.get(cls)
+        if code is not None:
+            return code, str(e)
+    logger.error("unexpected error serving a request", exc_info=e)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"
 
 
 class StageService:
     def __init__(self, serving: ServingState, limits: Limits) -> None:
         self.serving = serving
         self.limits = limits
-
-    # ---- validation ----
-
-    def _check_target(self, msg) -> tuple[StageExecutor, StageSchema]:
-        s = self.serving
-        if msg.run_id != s.run_id:
-            raise RequestError(
-                grpc.StatusCode.FAILED_PRECONDITION, f"run id {msg.run_id!r} is not this peer's run {s.run_id!r}"
-            )
-        if s.state not in ("online", "draining") or s.executor is None or s.schema is None:
-            raise RequestError(grpc.StatusCode.UNAVAILABLE, f"peer is {s.state}, not serving")
-        if msg.stage != s.stage:
-            raise RequestError(
-                grpc.StatusCode.FAILED_PRECONDITION, f"this peer serves stage {s.stage}, not stage {msg.stage}"
-            )
-        return s.executor, s.schema
-
-    def _targets(self, msg, schema: StageSchema, batch: int) -> torch.Tensor | None:
-        if not schema.is_last:
-            return None
-        if not msg.HasField("targets"):
-            raise WireError("the last stage needs targets")
-        targets = codec.decode(msg.targets, self.limits.max_numel)
-        schema.targets.check(targets, "targets", self.limits.max_batch)
-        if targets.shape[0] != batch:
-            raise WireError(f"targets batch {targets.shape[0]} differs from input batch {batch}")
-        return targets
-
-    def _check_header(self, header: pb.Tensor, what: str, schema: StageSchema) -> int:
-        """Check a streamed tensor's header against the stage's schema before any part arrives."""
-        if header.dtype not in codec.DTYPES or header.codec not in codec.CODEC_LABELS:
-            raise WireError(f"{what}: unknown dtype {header.dtype!r} or codec {header.codec}")
-        shape = tuple(int(d) for d in header.shape)
-        if not shape or not 1 <= shape[0] <= self.limits.max_batch:
-            raise WireError(f"{what} has shape {list(shape)}: batch must be in 1..{self.limits.max_batch}")
-        if what == "input":
-            schema.input.check(torch.zeros((1, *shape[1:]), dtype=codec.DTYPES[header.dtype]), what, 1)
-        return shape[0]
-
-    def _grad(self, grad: torch.Tensor | None, batch: int) -> torch.Tensor:
-        if grad is None:
-            raise WireError("backward on a non-last stage needs grad_output")
-        if not grad.dtype.is_floating_point:
-            raise WireError(f"grad_output must be a float tensor, got {grad.dtype}")
-        if grad.shape[0] != batch:
-            raise WireError(f"grad_output batch {grad.shape[0]} differs from input batch {batch}")
-        if not all_finite(grad):
-            raise WireError("grad_output contains NaN or infinity")
-        return grad.float()
 
     # ---- computing: a request is one part (unary) or several (streamed) ----
 
@@ -177,7 +85,7 @@ class StageService:
                 result = await asyncio.wrap_future(executor.forward(x, t, validation=msg.validation, tag=int(msg.step)))
                 out = result.output
             else:
-                grad = None if schema.is_last else self._grad(grad, n)
+                grad = None if schema.is_last else check_grad_output(grad, n)
                 rid = f"{msg.request_id}#{index}" if acc["streamed"] else msg.request_id
                 result = await asyncio.wrap_future(executor.backward(x, grad, t, rid, int(msg.step)))
                 out = result.grad_input
@@ -205,10 +113,7 @@ class StageService:
         deadline = time.monotonic() + self.serving.step_wait_s
         while executor.step < step:
             if time.monotonic() > deadline or self.serving.executor is not executor:
-                raise RequestError(
-                    grpc.StatusCode.UNAVAILABLE,
-                    f"peer is at step {executor.step}; the request is for step {step}",
-                )
+                raise StepNotReady(f"peer is at step {executor.step}; the request is for step {step}")
             await asyncio.sleep(0.005)  # the step changes on the compute thread; a poll is enough here
 
     def _response(self, kind: str, msg, executor: StageExecutor, acc: dict, first):
@@ -227,22 +132,11 @@ class StageService:
                 field.data, field.scales = first.data, first.scales
         return response
 
-    async def _guarded(self, context: grpc.aio.ServicerContext, coro_fn):
+    async def _unary(self, kind: str, raw: bytes, context) -> bytes:
         self.serving.in_flight += 1
         try:
-            return await coro_fn()
-        except _HANDLED as e:
-            code, text = _status_of(e)
-            await context.abort(code, text)
-        finally:
-            self.serving.in_flight -= 1
-
-    async def _unary(self, kind: str, raw: bytes, context) -> bytes:
-        cls = pb.ForwardRequest if kind == "forward" else pb.BackwardRequest
-
-        async def run() -> bytes:
-            msg = messages.parse(cls, raw)
-            executor, schema = self._check_target(msg)
+            msg = messages.parse(pb.ForwardRequest if kind == "forward" else pb.BackwardRequest, raw)
+            executor, schema = self.serving.check_target(msg.run_id, msg.stage)
             if not msg.HasField("input"):
                 raise WireError("request has no input tensor")
             x = codec.decode(msg.input, self.limits.max_numel)
@@ -251,7 +145,7 @@ class StageService:
             grad = None
             if kind == "backward" and not schema.is_last and msg.HasField("grad_output"):
                 grad = codec.decode(msg.grad_output, self.limits.max_numel)
-            targets = self._targets(msg, schema, x.shape[0])
+            targets = decode_targets(msg, schema, x.shape[0], self.limits)
 
             async def one_part():
                 yield x.shape[0], x, grad
@@ -259,71 +153,23 @@ class StageService:
             acc = {"streamed": False}
             encoded = [e async for e in self._compute(kind, msg, executor, schema, targets, one_part(), acc)]
             return self._response(kind, msg, executor, acc, encoded[0] if encoded else None).SerializeToString()
-
-        return await self._guarded(context, run)
+        except Exception as e:  # noqa: BLE001 - every error becomes a status; the server keeps serving
+            await context.abort(*status_of(e))
+        finally:
+            self.serving.in_flight -= 1
 
     async def _streamed(self, kind: str, request_iterator, context) -> AsyncIterator[bytes]:
         """The streamed form (see proto/swarm.proto): parts are computed and returned as they arrive."""
-        cls = pb.ForwardRequest if kind == "forward" else pb.BackwardRequest
         self.serving.in_flight += 1
-        it = request_iterator.__aiter__()
+        request = StreamedRequest(kind, request_iterator, self.limits)
         try:
-            first = messages.parse(pb.Chunk, await anext(it), "stream header")
-            if not first.header:
-                raise WireError("stream did not start with a header chunk")
-            msg = messages.parse(cls, first.header, f"{cls.__name__} header")
-            executor, schema = self._check_target(msg)
-            if not msg.HasField("input"):
-                raise WireError("request has no input tensor")
-            batch = self._check_header(msg.input, "input", schema)
-            counts = list(first.parts)
-            if not counts or min(counts) < 1 or sum(counts) != batch:
-                raise WireError(f"stream parts {counts[:8]} do not add up to the batch of {batch}")
-            streamed = [msg.input]
-            if kind == "backward" and not schema.is_last:
-                if not msg.HasField("grad_output"):
-                    raise WireError("backward on a non-last stage needs grad_output")
-                if self._check_header(msg.grad_output, "grad_output", schema) != batch:
-                    raise WireError("grad_output batch differs from input batch")
-                streamed.append(msg.grad_output)
-            targets = self._targets(msg, schema, batch)
-            received = [0]
-
-            async def next_raw() -> bytes:
-                try:
-                    raw = await anext(it)
-                except StopAsyncIteration:
-                    raise WireError("stream ended before all its parts arrived") from None
-                received[0] += len(raw)
-                if received[0] > self.limits.max_message_bytes:
-                    raise MessageTooLarge(
-                        f"stream carries more than the limit of {self.limits.max_message_bytes} bytes"
-                    )
-                return raw
-
-            async def parts():
-                for n in counts:
-                    decoded = []
-                    for header in streamed:
-                        part = pb.Tensor(
-                            dtype=header.dtype,
-                            shape=[n, *header.shape[1:]],
-                            codec=header.codec,
-                            block_size=header.block_size,
-                        )
-                        data = await next_raw()
-                        scales = await next_raw() if header.codec == pb.CODEC_INT8_BLOCK else b""
-                        decoded.append(codec.decode(part, self.limits.max_numel, data, scales))
-                    yield n, decoded[0], decoded[1] if len(decoded) > 1 else None
-                try:
-                    await anext(it)
-                except StopAsyncIteration:
-                    return
-                raise WireError("stream carries more messages than its parts")
-
+            msg = await request.read_header()
+            executor, schema = self.serving.check_target(msg.run_id, msg.stage)
+            batch = request.check_tensors(schema)
+            targets = decode_targets(msg, schema, batch, self.limits)
             acc = {"streamed": True}
             first_out = None
-            async for enc in self._compute(kind, msg, executor, schema, targets, parts(), acc):
+            async for enc in self._compute(kind, msg, executor, schema, targets, request.parts(), acc):
                 first_out = first_out or enc
                 yield enc.data
                 if enc.codec == pb.CODEC_INT8_BLOCK:
@@ -335,15 +181,12 @@ class StageService:
                     (PARTS_KEY, ",".join(map(str, acc.get("out_counts", [])))),
                 )
             )
-        except (StopAsyncIteration, *_HANDLED) as e:
-            if isinstance(e, StopAsyncIteration):
-                e = WireError("stream ended before all its parts arrived")
+        except Exception as e:  # noqa: BLE001 - every error becomes a status; the server keeps serving
             if isinstance(e, WireError):
                 # read what the client is still sending before answering: aborting mid-stream races
                 # the client's writes and can turn the clear status into a generic INTERNAL error
-                await _drain(it, self.limits.max_message_bytes)
-            code, text = _status_of(e)
-            await context.abort(code, text)
+                await request.drain()
+            await context.abort(*status_of(e))
         finally:
             self.serving.in_flight -= 1
 
@@ -367,36 +210,25 @@ class StageService:
         async for message in self._streamed("backward", request_iterator, context):
             yield message
 
-    async def _stage_request(self, message_cls: type, raw: bytes, context, what: str, available: bool):
-        """Parse a GetState/GetPartialGradient request and check it is for this run and stage and
-        that this peer has `what` to share; abort with a clear status otherwise."""
+    async def _blob(self, message_cls: type, raw: bytes, context, chunks) -> AsyncIterator[bytes]:
+        """GetState/GetPartialGradient: parse and check the request (this run and stage, a serving
+        peer), then stream what `chunks(executor, request)` yields."""
         try:
             request = messages.parse(message_cls, raw)
-        except WireError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if request.run_id != self.serving.run_id or request.stage != self.serving.stage:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"this peer serves run {self.serving.run_id} stage {self.serving.stage}",
-            )
-        if not available or self.serving.state not in ("online", "draining"):
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"this peer has no {what} to share now")
-        return request
+            executor, _ = self.serving.check_target(request.run_id, request.stage)
+            async for chunk in chunks(executor, request):
+                yield chunk
+        except Exception as e:  # noqa: BLE001 - every error becomes a status
+            await context.abort(*status_of(e))
 
     async def get_state(self, raw: bytes, context) -> AsyncIterator[bytes]:
-        provider = self.serving.state_provider
-        await self._stage_request(pb.StateRequest, raw, context, "state", provider is not None)
-        async for chunk in provider():
+        async for chunk in self._blob(pb.StateRequest, raw, context, lambda ex, _req: state_stream(ex)):
             yield chunk
 
     async def get_partial_gradient(self, raw: bytes, context) -> AsyncIterator[bytes]:
-        executor = self.serving.executor
-        request = await self._stage_request(pb.PartialRequest, raw, context, "gradient", executor is not None)
-        try:
-            async for chunk in partial_chunks(executor, request.step):
-                yield chunk
-        except PartialUnavailable as e:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        chunks = lambda ex, req: partial_chunks(ex, req.step)  # noqa: E731
+        async for chunk in self._blob(pb.PartialRequest, raw, context, chunks):
+            yield chunk
 
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(
@@ -413,20 +245,6 @@ class StageService:
         )
 
 
-async def _drain(request_iterator, max_bytes: int, timeout: float = 5.0) -> None:
-    async def consume() -> None:
-        seen = 0
-        async for raw in request_iterator:
-            seen += len(raw)
-            if seen > max_bytes:
-                return
-
-    try:
-        await asyncio.wait_for(consume(), timeout)
-    except Exception:  # noqa: BLE001 - best effort: the error status goes out either way
-        pass
-
-
 async def start_server(service: StageService, host: str, port: int, limits: Limits) -> tuple[grpc.aio.Server, int]:
     server = grpc.aio.server(options=channel_options(limits.max_message_bytes), maximum_concurrent_rpcs=1024)
     server.add_generic_rpc_handlers((service.handler(),))
@@ -435,3 +253,6 @@ async def start_server(service: StageService, host: str, port: int, limits: Limi
         raise OSError(f"cannot listen on {host}:{port}")
     await server.start()
     return server, bound
+
+
+__all__ = ["Limits", "ServingState", "StageService", "start_server", "status_of", "SwarmError"]

@@ -21,6 +21,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+# a move must raise the slowest stage by this fraction of the mean peer's throughput (peers' and the
+# simulator's default)
+DEFAULT_THRESHOLD = 0.1
+
 
 @dataclass(frozen=True)
 class PeerInfo:

@@ -56,8 +56,8 @@ def add_sim_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     g = p.add_argument_group("what to compare")
-    g.add_argument("--peers", type=int, default=1000, help="peers at the start (default 1000)")
-    g.add_argument("--stages", type=int, default=8, help="pipeline stages (default 8)")
+    g.add_argument("--peers", type=int, default=d.peers, help="peers at the start (default %(default)s)")
+    g.add_argument("--stages", type=int, default=d.stages, help="pipeline stages (default %(default)s)")
     g.add_argument(
         "--sim-seconds", type=float, default=d.sim_seconds, help="simulated duration (default %(default)s s)"
     )
@@ -155,7 +155,7 @@ def add_sim_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
     g.add_argument(
         "--rebalance-threshold",
         type=float,
-        default=0.1,
+        default=d.rebalance_threshold,
         help="plan_move's threshold: a move must raise the bottleneck by this fraction of the mean peer's "
         "throughput (default %(default)s, the peers' default)",
     )

@@ -10,6 +10,9 @@ import logging
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
 
+from swarm.core.settings import LIVENESS_WINDOW_S
+from swarm.policy.rebalance import DEFAULT_THRESHOLD
+
 logger = logging.getLogger(__name__)
 
 POLICIES = ("ours", "uniform", "weighted")
@@ -25,8 +28,8 @@ MIN_HOPS_PER_RUN = 30_000
 class SimConfig:
     """One run. Throughputs are training samples/s (forward + backward) of a peer on one stage."""
 
-    peers: int = 100
-    stages: int = 4
+    peers: int = 1000
+    stages: int = 8
     sim_seconds: float = 3600.0
     policy: str = "ours"  # ours | uniform | weighted
     rebalance: bool = True
@@ -45,7 +48,7 @@ class SimConfig:
     join_rate: float | None = None  # arrivals per hour as a fraction of `peers` (default: preemption_rate)
     join_time: float = 10.0  # seconds a new peer needs (download, build) before it serves
     failure_timeout: float = 5.0  # seconds until a trainer notices that its call to a dead peer failed
-    dead_after: float = 5.0  # seconds until the trainers' views drop a dead peer
+    dead_after: float = LIVENESS_WINDOW_S  # seconds until the trainers' views drop a dead peer
     # trainers and microbatches
     trainers: int = 1  # independent trainer views (each knows only its own in-flight work)
     in_flight: int | None = None  # microbatches in flight over all trainers (default 2 per peer)
@@ -54,7 +57,7 @@ class SimConfig:
     report_running: bool = False  # peers' reported queue includes the task being computed
     # rebalancing
     rebalance_period: float = 15.0  # seconds between rounds, jittered x0.7..1.3
-    rebalance_threshold: float | None = None  # plan_move's threshold (default: 0.1, the peers' default)
+    rebalance_threshold: float = DEFAULT_THRESHOLD  # plan_move's threshold, the peers' default
     move_time: float = 10.0  # seconds a moved peer needs before it serves its new stage
     move_cooldown: float = 60.0  # a peer that joined or moved this recently does not move
     plan_candidates: int | None = None  # movable peers offered to plan_move per stage (0: all)
@@ -105,7 +108,6 @@ class SimConfig:
             in_flight=max(self.trainers, 2 * self.peers) if self.in_flight is None else self.in_flight,
             microbatch_samples=b,
             hops_per_peer=hops_per_peer,
-            rebalance_threshold=0.1 if self.rebalance_threshold is None else self.rebalance_threshold,
             plan_candidates=(0 if self.peers <= 48 else 1) if self.plan_candidates is None else self.plan_candidates,
             window=self.sim_seconds / 60 if self.window is None else self.window,
         )

@@ -18,61 +18,39 @@ import logging
 import math
 import random
 import time
-from collections import deque
 
-from swarm.policy.rebalance import PeerInfo, best_assignment_throughput, join_stage, plan_move
-from swarm.sim.config import SECONDS_PER_HOUR, RunResult, SimConfig
-from swarm.sim.report import summarize
+from swarm.policy.rebalance import best_assignment_throughput, join_stage
 from swarm.policy.wiring import PeerLoad, Wiring
+from swarm.sim.churn import Churn
+from swarm.sim.config import SECONDS_PER_HOUR, RunResult, SimConfig
+from swarm.sim.entities import (
+    ARRIVE,
+    DEAD,
+    DONE,
+    DRAINING,
+    FAIL,
+    JOIN,
+    NO_EXCLUDE,
+    ONLINE,
+    POLL,
+    PREEMPT,
+    READY,
+    REBALANCE,
+    REMOVE,
+    TICK,
+    Microbatch,
+    Peer,
+    Task,
+)
+from swarm.sim.summary import summarize
 
 logger = logging.getLogger(__name__)
 
-JOINING, ONLINE, DRAINING, MOVING, DEAD = range(5)
-ARRIVE, DONE, FAIL, PREEMPT, JOIN, READY, REMOVE, REBALANCE, POLL, TICK = range(10)
 POLL_PERIOD = 1.0  # seconds between retries of hops that found no usable peer in their stage
-NO_EXCLUDE: frozenset[str] = frozenset()
 RANDOM_PICK_TRIES = 16
 
 
-class Peer:
-    __slots__ = tuple(
-        "idx pid thr bw lat stage dst state queue queued_work running run_start transit loads placed_at".split()
-    )
-
-    def __init__(self, idx: int, thr: float, bw: float, lat: float, trainers: int) -> None:
-        self.idx, self.pid, self.thr, self.bw, self.lat = idx, f"p{idx:06d}", thr, bw, lat
-        self.stage = self.dst = 0
-        self.state = JOINING
-        self.queue: deque[Task] = deque()
-        self.queued_work = 0.0
-        self.running: Task | None = None
-        self.run_start = 0.0
-        self.transit: dict[Task, None] = {}  # a dict, not a set: iteration order must not depend on ids
-        # what each trainer knows about this peer: one PeerLoad per trainer, as in the real trainers
-        self.loads = [PeerLoad(self.pid, 0, self.pid, throughput=thr) for _ in range(trainers)]
-        self.placed_at = -math.inf
-
-
-class Microbatch:
-    __slots__ = ("mid", "trainer", "hop", "t0", "credit", "sender", "exclude")
-
-    def __init__(self, mid: int, trainer: int, hop: int, t0: float, credit: float) -> None:
-        self.mid, self.trainer, self.hop, self.t0 = mid, trainer, hop, t0
-        self.credit = credit  # the share of its work done in the simulation (1 unless it started mid-way)
-        self.sender: Peer | None = None  # the peer that holds the activations for the next hop
-        self.exclude: frozenset[str] = NO_EXCLUDE
-
-
-class Task:
-    """One attempt at one hop of one microbatch on one peer."""
-
-    __slots__ = ("mb", "peer", "load", "work", "lost")
-
-    def __init__(self, mb: Microbatch, peer: Peer, load: PeerLoad, work: float) -> None:
-        self.mb, self.peer, self.load, self.work, self.lost = mb, peer, load, work, False
-
-
-class Simulator:
+class Simulator(Churn):
     def __init__(self, cfg: SimConfig) -> None:
         self.cfg = cfg = cfg.resolved()
         S, K = cfg.stages, cfg.trainers
@@ -366,103 +344,6 @@ class Simulator:
     def _ready(self, peer: Peer) -> None:
         if peer.state != DEAD:
             self._go_online(peer, self.now)
-
-    def _schedule_preemption(self) -> None:
-        rate = self.cfg.preemption_rate * max(1, len(self.alive)) / SECONDS_PER_HOUR
-        self._push(self.now + self.churn_rng.expovariate(rate), PREEMPT, None)
-
-    def _preempt(self, _: None = None) -> None:
-        """A uniformly random alive peer vanishes with everything it was working on."""
-        self._schedule_preemption()
-        if not self.alive:
-            return
-        i = self.churn_rng.randrange(len(self.alive))
-        peer = self.alive[i]
-        self.alive[i] = self.alive[-1]
-        self.alive.pop()
-        self.preemptions += 1
-        in_view = peer.state in (ONLINE, DRAINING)
-        peer.state = DEAD
-        lost = list(peer.queue) + list(peer.transit)
-        if peer.running is not None:
-            lost.append(peer.running)
-            self.wasted_compute += self.now - peer.run_start
-        for task in lost:
-            task.lost = True
-            self.failing.add(task)
-            self._push(self.now + self.cfg.failure_timeout, FAIL, task)
-        peer.queue.clear()
-        peer.transit.clear()
-        peer.running = None
-        if in_view:
-            self._push(self.now + self.cfg.dead_after, REMOVE, peer)
-
-    def _remove(self, peer: Peer) -> None:
-        """The trainers' views drop the dead peer (it stopped answering Info)."""
-        for t, load in enumerate(peer.loads):
-            self.views[t][peer.stage].remove(load)
-        self.views_version += 1
-
-    def _join(self, _: None = None) -> None:
-        cfg = self.cfg
-        self._push(self.now + self.churn_rng.expovariate(cfg.join_rate * cfg.peers / SECONDS_PER_HOUR), JOIN, None)
-        peer = self._new_peer()
-        peer.state = JOINING
-        peer.stage = peer.dst = self._join_choice()
-        self.joins += 1
-        self._push(self.now + cfg.join_time, READY, peer)
-
-    def _placed_stage(self, peer: Peer) -> int:
-        """Where the peer counts for placement: a moving peer at its destination (as in swarm.peer.placement)."""
-        return peer.dst if peer.state == DRAINING else peer.stage
-
-    def _stage_totals(self) -> list[float]:
-        totals = [0.0] * self.cfg.stages
-        for p in self.alive:
-            totals[self._placed_stage(p)] += p.thr
-        return totals
-
-    # ---- rebalancing ----
-
-    def _rebalance(self, _: None = None) -> None:
-        """One round of swarm.peer.placement's loop: plan_move on the current assignment, one move at most."""
-        cfg, now, rng = self.cfg, self.now, self.rebalance_rng
-        self._push(now + cfg.rebalance_period * rng.uniform(0.7, 1.3), REBALANCE, None)
-        if any(p.state == DRAINING for p in self.alive):
-            return  # a move is under way: let it settle first (as the real peers do)
-        self.rounds += 1
-        infos, movable = [], {}
-        candidates: list[list[str]] = [[] for _ in range(cfg.stages)]
-        for p in self.alive:
-            infos.append(PeerInfo(p.pid, p.stage, p.thr))
-            movable[p.pid] = False
-            if p.state == ONLINE and now - p.placed_at >= cfg.move_cooldown:
-                candidates[p.stage].append(p.pid)
-        for stage_candidates in candidates:
-            k = cfg.plan_candidates
-            chosen = stage_candidates if k == 0 or len(stage_candidates) <= k else rng.sample(stage_candidates, k)
-            for pid in chosen:
-                movable[pid] = True
-        move = plan_move(infos, cfg.stages, cfg.rebalance_threshold, movable)
-        if move is None:
-            return
-        peer = self.by_id[move.peer_id]
-        peer.state, peer.dst = DRAINING, move.dst
-        self.moves += 1
-        logger.debug("t=%.0f move %s %d -> %d: %s", now, peer.pid, move.src, move.dst, move.reason)
-        for load in peer.loads:
-            load.online = False
-        self._maybe_finish_drain(peer)
-
-    def _maybe_finish_drain(self, peer: Peer) -> None:
-        """A draining peer leaves once its queue (and the work still on its way to it) is done."""
-        if peer.running is not None or peer.queue or peer.transit:
-            return
-        for t, load in enumerate(peer.loads):
-            self.views[t][peer.stage].remove(load)
-        self.views_version += 1
-        peer.state, peer.stage = MOVING, peer.dst
-        self._push(self.now + self.cfg.move_time, READY, peer)
 
     # ---- metrics ----
 

@@ -8,15 +8,9 @@ from __future__ import annotations
 
 import json
 import logging
-import math
-import statistics
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from swarm.sim.config import RunResult
-
-if TYPE_CHECKING:
-    from swarm.sim.engine import Simulator
 
 logger = logging.getLogger(__name__)
 
@@ -30,71 +24,6 @@ def _rolling_mean(values: list[float], n: int) -> list[float]:
         acc += v - (values[i - n] if i >= n else 0.0)
         out.append(acc / min(i + 1, n))
     return out
-
-
-def _percentile(sorted_values: list[float], q: float) -> float | None:
-    if not sorted_values:
-        return None  # no microbatch made a whole trip after the warm-up (JSON null, not NaN)
-    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
-
-
-def warm_up(sim: Simulator) -> float:
-    """Seconds to leave out of the averages: --warmup, else 1.25 median microbatch trips, within a quarter
-    to a half of the run. The microbatches start spread over the pipeline and count only the work they do
-    in the simulation, so completions ramp up over about one trip before they measure the swarm."""
-    cfg = sim.cfg
-    if cfg.warmup is not None:
-        return min(cfg.warmup, cfg.sim_seconds)
-    trip = statistics.median(lat for _, lat in sim.trips) if sim.trips else 0.0
-    return min(0.5 * cfg.sim_seconds, max(0.25 * cfg.sim_seconds, 1.25 * trip))
-
-
-def summarize(sim: Simulator, wall_s: float, cpu_s: float) -> RunResult:
-    """Averages over the windows after the warm-up, weighted by their length."""
-    cfg = sim.cfg
-    w, n = cfg.window, sim.n_windows
-    durations = [min(cfg.sim_seconds, (k + 1) * w) - k * w for k in range(n)]
-    first = min(n - 1, math.ceil(warm_up(sim) / w - 1e-9))
-    span = sum(durations[first:])
-    achieved = sum(sim.done_samples[first:]) / span
-    ideal = sum(i * d for i, d in zip(sim.ideal[first:], durations[first:], strict=True)) / span
-    placed = sum(a * d for a, d in zip(sim.assignment[first:], durations[first:], strict=True)) / span
-    latencies = sorted(lat for t, lat in sim.trips if t >= first * w)
-    compute = sim.useful_compute + sim.wasted_compute
-    return RunResult(
-        policy=cfg.policy,
-        rebalance=cfg.rebalance,
-        peers=cfg.peers,
-        stages=cfg.stages,
-        sim_seconds=cfg.sim_seconds,
-        microbatch_samples=sim.b,
-        in_flight=cfg.in_flight,
-        throughput=achieved,
-        ideal_throughput=ideal,
-        throughput_fraction_of_ideal=achieved / ideal if ideal > 0 else 0.0,
-        placement_fraction_of_ideal=placed / ideal if ideal > 0 else 0.0,
-        latency_p50_s=_percentile(latencies, 0.50),
-        latency_p99_s=_percentile(latencies, 0.99),
-        wasted_work_fraction=sim.wasted_compute / compute if compute > 0 else 0.0,
-        retries=sim.retries,
-        preemptions=sim.preemptions,
-        joins=sim.joins,
-        moves=sim.moves,
-        rebalance_rounds=sim.rounds,
-        hops=sim.hops,
-        microbatches_completed=sim.completed,
-        lost_microbatches=sim.unaccounted_microbatches(),
-        final_peers=len(sim.alive),
-        warmup_s=first * w,
-        wall_s=wall_s,
-        cpu_s=cpu_s,
-        series={
-            "t": [min(cfg.sim_seconds, (k + 1) * w) for k in range(n)],
-            "throughput": [s / d for s, d in zip(sim.done_samples, durations, strict=True)],
-            "ideal": list(sim.ideal),
-            "placement": list(sim.assignment),
-        },
-    )
 
 
 def headline(results: list[RunResult]) -> RunResult:
@@ -167,6 +96,15 @@ def plot(results: list[RunResult], out_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / "throughput_over_time.png", out_dir / "summary.png"]
+    for path, draw in zip(paths, (_plot_over_time, _plot_summary), strict=True):
+        fig = draw(plt, results)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+    return paths
+
+
+def _plot_over_time(plt, results: list[RunResult]):
     settings = sorted({r.rebalance for r in results}, reverse=True)
     head = results[0]
     fig, axes = plt.subplots(1, len(settings), figsize=(6.5 * len(settings), 4.2), sharey=True, squeeze=False)
@@ -190,10 +128,12 @@ def plot(results: list[RunResult], out_dir: Path) -> list[Path]:
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
-    paths = [out_dir / "throughput_over_time.png"]
-    fig.savefig(paths[0], dpi=110)
-    plt.close(fig)
+    return fig
 
+
+def _plot_summary(plt, results: list[RunResult]):
+    settings = sorted({r.rebalance for r in results}, reverse=True)
+    head = results[0]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     policies = [p for p in POLICY_COLORS if any(r.policy == p for r in results)]
     width = 0.8 / max(1, len(settings))
@@ -220,7 +160,4 @@ def plot(results: list[RunResult], out_dir: Path) -> list[Path]:
         f"{head.peers} peers, {head.stages} stages, {head.preemptions} preemptions in {head.sim_seconds:.0f} s"
     )
     fig.tight_layout()
-    paths.append(out_dir / "summary.png")
-    fig.savefig(paths[1], dpi=110)
-    plt.close(fig)
-    return paths
+    return fig

@@ -42,7 +42,8 @@ from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import achain, as_aiter, azip, enter_asynchronously
 
 from swarm.core.checks import all_finite
-from swarm.dht.node import die_with_parent
+from swarm.core.procs import die_with_parent
+from swarm.core.settings import setting
 
 logger = logging.getLogger(__name__)
 
@@ -151,9 +152,14 @@ class _StageAverager(DecentralizedAverager):
 
 @dataclass(frozen=True)
 class AveragingConfig:
-    allreduce_timeout: float = 30.0  # a whole round, at most
-    # A member silent for this long is excluded; the round then is incomplete and is retried.
-    next_chunk_timeout: float = 5.0
+    allreduce_timeout_s: float = setting(
+        30.0, "longest a stage's gradient all-reduce may take", flag="--averaging-timeout"
+    )
+    next_chunk_timeout_s: float = setting(
+        5.0,
+        "a member silent for this long is left out of an all-reduce round (which then is retried)",
+        flag="--averaging-chunk-timeout",
+    )
 
 
 @dataclass
@@ -179,8 +185,8 @@ class StageAverager:
             dht,
             prefix=self.prefix,
             start=True,
-            allreduce_timeout=cfg.allreduce_timeout,
-            next_chunk_timeout=cfg.next_chunk_timeout,
+            allreduce_timeout=cfg.allreduce_timeout_s,
+            next_chunk_timeout=cfg.next_chunk_timeout_s,
             allow_state_sharing=False,  # state travels over our gRPC GetState, not hivemind's RPC
         )
 
@@ -199,7 +205,7 @@ class StageAverager:
                 group_id,
                 [PeerID.from_base58(m).to_bytes() for m in members],
                 float(samples),
-                timeout=self.cfg.allreduce_timeout + 5.0,
+                timeout=self.cfg.allreduce_timeout_s + 5.0,
             )
         except Exception as e:  # noqa: BLE001 - hivemind raises several kinds; all mean "no average"
             raise AveragingFailed(f"averaging for step {step} failed: {e!r}") from None

@@ -23,22 +23,32 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from swarm.core.settings import setting
+
 logger = logging.getLogger(__name__)
 
 TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".json", ".csv", ".html", ".c", ".h", ".js", ".tex"}
 
 
+DATASET_KINDS = ("stdlib", "text", "tokens", "synthetic")
+
+
 @dataclass(frozen=True)
 class DataConfig:
-    kind: str = "stdlib"
-    path: str | None = None
-    val_fraction: float = 0.05
-    max_bytes: int = 8_000_000
-    seed: int = 0
-    synthetic_samples: int = 20_000
+    kind: str = setting(
+        "stdlib", "stdlib (this machine's Python sources), text, tokens, synthetic (mlp's default)",
+        flag="--dataset", choices=DATASET_KINDS,
+    )  # fmt: skip
+    path: str | None = setting(
+        None, "folder of text files (text) or uint16 .bin token file (tokens)", flag="--data-path"
+    )
+    val_fraction: float = setting(0.05, "share of the data held out for validation")
+    max_bytes: int = setting(8_000_000, "bytes of text read at most", flag="--data-max-bytes")
+    seed: int = setting(0, "data order seed (--seed sets it)", cli=False)
+    synthetic_samples: int = setting(20_000, "samples of the synthetic dataset", cli=False)
 
     def __post_init__(self) -> None:
-        if self.kind not in ("stdlib", "text", "tokens", "synthetic"):
+        if self.kind not in DATASET_KINDS:
             raise ValueError(f"unknown dataset kind {self.kind!r}; choose stdlib, text, tokens or synthetic")
         if self.kind in ("text", "tokens") and not self.path:
             raise ValueError(f"dataset kind {self.kind!r} needs a path")

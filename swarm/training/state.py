@@ -1,5 +1,5 @@
-"""A stage's training state (parameters, optimizer state, step): serialization, validation, download
-from a live stage-mate over gRPC, and checkpoints on disk.
+"""A stage's training state (parameters, optimizer state, step): serialization, validation and
+checkpoints on disk (its transfer between peers: swarm.peer.state_transfer).
 
 A state is checked before it is used: the same parameter names and shapes as this peer's module, a
 non-negative step, only finite values. A bad download or a corrupt checkpoint is refused, never
@@ -15,24 +15,20 @@ import logging
 import os
 import re
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from swarm.core.checks import all_finite
-from swarm.wire.protocol import pb
+from swarm.core.errors import StateError
 
 logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 20
 CHECKPOINT_NAME = re.compile(r"^step(\d{8})\.pt$")
-
-
-class StateError(ValueError):
-    pass
 
 
 def serialize(state: dict) -> bytes:
@@ -61,6 +57,29 @@ def _tensors(obj) -> list[torch.Tensor]:
     return []
 
 
+def clone_tensors(obj: Any) -> Any:
+    """A deep copy of the tensors of a nested dict/list (an optimizer state), on the CPU."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: clone_tensors(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [clone_tensors(v) for v in obj]
+    return obj
+
+
+@torch.no_grad()
+def parameter_fingerprint(params: list[torch.Tensor]) -> tuple[float, float]:
+    """(sum, sum of |p|) of all parameters in float64. Cheap, and any divergence between stage-mates
+    (a partial all-reduce, a missed update) moves it far beyond rounding noise."""
+    total, absolute = 0.0, 0.0
+    for p in params:
+        flat = p.detach().reshape(-1)
+        total += float(flat.sum(dtype=torch.float64))
+        absolute += float(flat.abs().sum(dtype=torch.float64))
+    return total, absolute
+
+
 def validate(state: dict, module: nn.Module, meta: dict | None = None) -> None:
     """Raise StateError unless `state` fits `module` and holds only finite values."""
     step = state.get("step")
@@ -83,53 +102,6 @@ def validate(state: dict, module: nn.Module, meta: dict | None = None) -> None:
         for key, want in meta.items():
             if state.get("meta", {}).get(key) != want:
                 raise StateError(f"state {key} is {state.get('meta', {}).get(key)!r}, expected {want!r}")
-
-
-# ---- download over gRPC ----
-
-
-async def state_chunks(data: bytes, step: int, checksum: bool = True, **extra) -> AsyncIterator[bytes]:
-    """What GetState streams: a JSON header (step, size, sha256 unless `checksum` is off, `extra`),
-    then the data."""
-    header = {"step": step, "bytes": len(data), **extra}
-    if checksum:
-        header["sha256"] = hashlib.sha256(data).hexdigest()
-    yield pb.Chunk(header=json.dumps(header).encode()).SerializeToString()
-    for start in range(0, len(data), CHUNK_BYTES):
-        yield pb.Chunk(data=data[start : start + CHUNK_BYTES]).SerializeToString()
-
-
-async def receive_blob(stream: AsyncIterator[bytes], max_bytes: int, what: str = "state") -> tuple[dict, bytearray]:
-    """Read what `state_chunks` streams and check it arrived whole (size, and sha256 when the
-    header has one)."""
-    header, buf = None, bytearray()
-    async for raw in stream:
-        chunk = pb.Chunk.FromString(raw)
-        if header is None:
-            header = json.loads(chunk.header or b"{}")
-            if not isinstance(header.get("bytes"), int) or header["bytes"] > max_bytes:
-                raise StateError(f"{what} header announces {header.get('bytes')} bytes (limit {max_bytes})")
-            continue
-        buf += chunk.data
-        if len(buf) > header["bytes"]:
-            raise StateError(f"{what} stream carries more bytes than announced")
-    if header is None or len(buf) != header["bytes"]:
-        raise StateError(f"{what} stream ended after {len(buf)} of {None if header is None else header['bytes']} bytes")
-    if "sha256" in header and hashlib.sha256(buf).hexdigest() != header["sha256"]:
-        raise StateError(f"{what} checksum mismatch")
-    return header, buf
-
-
-async def download(client, run_id: str, stage: int, timeout: float, max_bytes: int) -> dict:
-    """Fetch a stage's state from one peer and check it arrived whole (size and sha256)."""
-    stream = client.get_state(pb.StateRequest(run_id=run_id, stage=stage), timeout=timeout)
-    header, data = await receive_blob(stream, max_bytes)
-    if "sha256" not in header:
-        raise StateError("state header has no checksum")
-    state = deserialize(bytes(data))
-    if state["step"] != header.get("step"):
-        raise StateError(f"state step {state['step']} differs from its header's {header.get('step')}")
-    return state
 
 
 # ---- checkpoints ----

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import AsyncIterator
 
 import grpc
@@ -14,9 +13,9 @@ from swarm.wire.options import MiB, channel_options
 from swarm.wire.protocol import pb
 from swarm.wire.tensors import WireTensor
 
-# Requests with more tensor bytes than this are streamed part by part (SWARM_STREAM_THRESHOLD
-# overrides it, e.g. 0 to stream everything in tests).
-DEFAULT_STREAM_THRESHOLD = int(os.environ.get("SWARM_STREAM_THRESHOLD", 2 * MiB))
+# Requests with more tensor bytes than this are streamed part by part (a trainer's
+# --stream-threshold-kb changes it, e.g. 0 to stream everything in tests).
+DEFAULT_STREAM_THRESHOLD = 2 * MiB
 
 
 class StageClient:

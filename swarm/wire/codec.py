@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from swarm.core.errors import RequestInvalid, RequestTooLarge
+from swarm.wire.names import CODECS
 from swarm.wire.protocol import pb
 
 # torch.frombuffer over immutable `bytes` warns once per call; the tensors we make from received
@@ -39,12 +41,7 @@ DTYPES: dict[str, torch.dtype] = {
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 FLOAT_DTYPES = {torch.float32, torch.float16, torch.bfloat16, torch.float64}
 
-CODEC_NAMES = {
-    "none": pb.CODEC_NONE,
-    "fp16": pb.CODEC_FP16,
-    "bf16": pb.CODEC_BF16,
-    "int8": pb.CODEC_INT8_BLOCK,
-}
+CODEC_NAMES = dict(zip(CODECS, (pb.CODEC_NONE, pb.CODEC_FP16, pb.CODEC_BF16, pb.CODEC_INT8_BLOCK), strict=True))
 CODEC_LABELS = {v: k for k, v in CODEC_NAMES.items()}
 
 DEFAULT_BLOCK_SIZE = 256
@@ -52,11 +49,11 @@ MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 8, 1 << 20
 MAX_NDIM = 8
 
 
-class WireError(ValueError):
+class WireError(RequestInvalid):
     """A message that cannot be decoded or does not match what the receiver expects."""
 
 
-class MessageTooLarge(WireError):
+class MessageTooLarge(WireError, RequestTooLarge):
     """A message over the receiver's size limit (gRPC RESOURCE_EXHAUSTED)."""
 
 

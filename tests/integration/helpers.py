@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 
 import psutil
@@ -30,6 +31,40 @@ def run_args(model: dict | None = None, **overrides) -> list[str]:
     for key, value in args.items():
         out += [key, value]
     return out
+
+
+class TrainingProgress:
+    """The trainers' progress lines, as a `ManagedProcess` line handler: the steps seen (with when),
+    and a wait for a step that ends at a deadline."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[float, int]] = []
+        self.lock = threading.Condition()
+
+    def __call__(self, proc, line, payload) -> None:
+        if payload and payload.get("event") == "progress":
+            with self.lock:
+                self.steps.append((time.monotonic(), payload["step"]))
+                self.lock.notify_all()
+
+    def latest(self) -> int:
+        with self.lock:
+            return max((s for _, s in self.steps), default=0)
+
+    def wait_step(self, n: int, timeout: float) -> int:
+        with self.lock:
+            if not self.lock.wait_for(lambda: max((s for _, s in self.steps), default=0) >= n, timeout):
+                raise TimeoutError(f"training did not reach step {n} in {timeout} s")
+            return max(s for _, s in self.steps)
+
+
+def start_training(swarm, steps: int, trainer_args: list[str] = ()) -> TrainingProgress:
+    """Start the swarm's trainers for `steps` steps; their progress is watched."""
+    swarm.opts.steps = steps
+    swarm.opts.trainer_args = list(trainer_args)
+    progress = TrainingProgress()
+    swarm.start_trainers(on_line=progress)
+    return progress
 
 
 def assert_all_reaped(pgids: list[int], pids: list[int] = (), timeout: float = 15.0) -> None:
@@ -68,12 +103,12 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
 
 def fetch_state(address: str, run_id: str, stage: int, timeout: float = 60.0) -> dict:
     """A peer's full training state, over the wire contract's GetState."""
-    from swarm.training.state import download
+    from swarm.peer.state_transfer import download_state
 
     async def go():
         client = StageClient(address)
         try:
-            return await download(client, run_id, stage, timeout, 1 << 30)
+            return await download_state(client, run_id, stage, timeout, 1 << 30)
         finally:
             await client.close()
 

@@ -170,9 +170,9 @@ def test_partial_gradient_requests(two_stage_swarm):
     """GetPartialGradient (async look-ahead): bad requests get clear errors, a good one the peer's
     sum for its pending update, which the peer-side check accepts."""
     from swarm.peer.executor import StageExecutor
-    from swarm.training.models import build_stage
     from swarm.peer.partials import decode_partial
-    from swarm.training.state import receive_blob
+    from swarm.training.models import build_stage
+    from swarm.wire.blob import receive_blob
 
     swarm = two_stage_swarm
     addr0 = next(p.ready["address"] for p in swarm.peers if p.ready["stage"] == 0)

@@ -1,39 +1,16 @@
 """Real failures during training: SIGKILL and SIGSTOP of a busy peer. Training goes on."""
 
 import signal
-import threading
 
 import pytest
 
-from tests.integration.helpers import info, run_args, wait_for
+from tests.integration.helpers import info, run_args, start_training, wait_for
 
 
 def busiest_peer(swarm, stage: int):
     """The peer of `stage` that has run the most backward work (the one the wiring prefers)."""
     peers = [p for p in swarm.peers if p.ready["stage"] == stage and p.alive()]
     return max(peers, key=lambda p: info(p.ready["address"]).samples_processed)
-
-
-def start_training(swarm, steps: int, trainer_args: list[str] = ()):
-    swarm.opts.steps = steps
-    swarm.opts.trainer_args = list(trainer_args)
-    progress = {"step": 0}
-    reached = threading.Condition()
-
-    def on_line(proc, line, payload):
-        if payload and payload.get("event") == "progress":
-            with reached:
-                progress["step"] = payload["step"]
-                reached.notify_all()
-
-    swarm.start_trainers(on_line=on_line)
-
-    def wait_step(n: int, timeout: float) -> None:
-        with reached:
-            if not reached.wait_for(lambda: progress["step"] >= n, timeout):
-                raise TimeoutError(f"training did not reach step {n} in {timeout} s")
-
-    return wait_step
 
 
 def assert_no_microbatch_lost(summary: dict) -> None:
@@ -50,12 +27,10 @@ def assert_no_microbatch_lost(summary: dict) -> None:
 @pytest.mark.timeout(300)
 def test_sigkill_of_a_busy_peer_costs_retries_not_the_run(make_swarm):
     # every call streamed part by part, so that the streamed path meets a real failure too
-    swarm = make_swarm(
-        stages=3, peers_per_stage=2, trainers=1, run_args=run_args(), env={"SWARM_STREAM_THRESHOLD": "0"}
-    )
+    swarm = make_swarm(stages=3, peers_per_stage=2, trainers=1, run_args=run_args())
     swarm.start()
-    wait_step = start_training(swarm, steps=24)
-    wait_step(6, timeout=120)
+    progress = start_training(swarm, steps=24, trainer_args=["--stream-threshold-kb", "0"])
+    progress.wait_step(6, timeout=120)
     victim = busiest_peer(swarm, stage=1)
     victim.send_signal(signal.SIGKILL)
     victim.wait(timeout=10)
@@ -73,8 +48,8 @@ def test_sigkill_of_a_busy_peer_costs_retries_not_the_run(make_swarm):
 def test_sigstop_of_a_busy_peer_fires_deadlines_and_moves_work(make_swarm):
     swarm = make_swarm(stages=3, peers_per_stage=2, trainers=1, run_args=run_args())
     swarm.start()
-    wait_step = start_training(swarm, steps=20, trainer_args=["--min-deadline", "2"])
-    wait_step(5, timeout=120)
+    progress = start_training(swarm, steps=20, trainer_args=["--min-deadline", "2"])
+    progress.wait_step(5, timeout=120)
     victim = busiest_peer(swarm, stage=1)
     mate = next(p for p in swarm.peers if p.ready["stage"] == 1 and p is not victim)
     before = info(mate.ready["address"]).samples_processed

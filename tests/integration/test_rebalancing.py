@@ -5,12 +5,11 @@ import json
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 
-from tests.integration.helpers import run_args, wait_for
+from tests.integration.helpers import TrainingProgress, run_args, wait_for
 
 FAST_REBALANCE = ["--rebalance-period", "3", "--move-cooldown", "6"]
 
@@ -68,21 +67,6 @@ def status_when(swarm, predicate):
     return check
 
 
-class Progress:
-    def __init__(self) -> None:
-        self.steps: list[tuple[float, int]] = []
-        self.lock = threading.Lock()
-
-    def __call__(self, proc, line, payload) -> None:
-        if payload and payload.get("event") == "progress":
-            with self.lock:
-                self.steps.append((time.monotonic(), payload["step"]))
-
-    def latest(self) -> int:
-        with self.lock:
-            return self.steps[-1][1] if self.steps else 0
-
-
 @pytest.mark.timeout(420)
 def test_peers_move_off_a_crowded_stage_and_recover_after_a_kill(make_swarm):
     swarm = make_swarm(
@@ -94,7 +78,7 @@ def test_peers_move_off_a_crowded_stage_and_recover_after_a_kill(make_swarm):
         trainer_args=["--max-in-flight", "4"],
     )
     swarm.start()
-    progress = Progress()
+    progress = TrainingProgress()
     swarm.start_trainers(on_line=progress)
     wait_for(lambda: progress.latest() >= 2, 120, "training to start")
     t0 = time.monotonic()

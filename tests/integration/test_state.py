@@ -2,47 +2,35 @@
 
 import json
 import signal
-import threading
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from swarm.training.models import GPT, GPTConfig
-from tests.integration.helpers import TINY_GPT, fetch_state, info, run_args, wait_for, write_tokens
-
-
-def progress_watcher(swarm):
-    state = {"step": 0}
-    cond = threading.Condition()
-
-    def on_line(proc, line, payload):
-        if payload and payload.get("event") == "progress":
-            with cond:
-                state["step"] = max(state["step"], payload["step"])
-                cond.notify_all()
-
-    def wait_step(n: int, timeout: float) -> int:
-        with cond:
-            if not cond.wait_for(lambda: state["step"] >= n, timeout):
-                raise TimeoutError(f"training did not reach step {n} in {timeout} s")
-            return state["step"]
-
-    return on_line, wait_step
+from tests.integration.helpers import (
+    TINY_GPT,
+    TrainingProgress,
+    fetch_state,
+    info,
+    run_args,
+    wait_for,
+    write_tokens,
+)
 
 
 @pytest.mark.timeout(300)
 def test_joining_peer_downloads_state_and_matches_its_mates(make_swarm):
     swarm = make_swarm(stages=2, stage_layout=[2, 1], steps=100_000, run_args=run_args(codec="none"))
     swarm.start()
-    on_line, wait_step = progress_watcher(swarm)
-    swarm.start_trainers(on_line=on_line)
-    wait_step(6, timeout=120)
+    progress = TrainingProgress()
+    swarm.start_trainers(on_line=progress)
+    progress.wait_step(6, timeout=120)
     newcomer = swarm.start_peer(0)
     assert newcomer.ready["step"] >= 6, "the newcomer must start from the stage's current step, not 0"
     # training goes on with the newcomer in the stage, until it has stepped together with its mates
     wait_for(lambda: info(newcomer.ready["address"]).averaging_rounds >= 1, 120, "the newcomer to average")
-    wait_step(newcomer.ready["step"] + 2, timeout=120)
+    progress.wait_step(newcomer.ready["step"] + 2, timeout=120)
     for trainer in swarm.trainers:
         trainer.stop()
     assert "downloaded stage 0 state" in newcomer.log_tail(400)
@@ -73,9 +61,9 @@ def test_whole_stage_killed_then_restored_from_checkpoint(make_swarm, tmp_path):
         peer_args=["--checkpoint-dir", str(ckpt), "--checkpoint-every", "2"],
     )
     swarm.start()
-    on_line, wait_step = progress_watcher(swarm)
-    swarm.start_trainers(on_line=on_line)
-    wait_step(6, timeout=120)
+    progress = TrainingProgress()
+    swarm.start_trainers(on_line=progress)
+    progress.wait_step(6, timeout=120)
     stage1 = [p for p in swarm.peers if p.ready["stage"] == 1]
     for p in stage1:
         p.send_signal(signal.SIGKILL)

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
+from swarm.core.errors import ExecutorStopped, NonFiniteResult, RequestInvalid
+from swarm.peer.executor import StageExecutor
 from swarm.training.config import OptimConfig
-from swarm.peer.executor import NonFiniteError, StageExecutor
 from swarm.training.models import build_full_model, build_stage
 
 GPT = {"kind": "gpt", "vocab_size": 64, "seq_len": 8, "d_model": 16, "n_layers": 2, "n_heads": 2, "d_ff": 32}
@@ -53,7 +54,7 @@ def test_nan_input_gradient_is_rejected_and_state_kept(last_stage):
     try:
         h = torch.randn(2, 8, 16)
         bad = torch.full((2, 8, 16), float("nan"))
-        with pytest.raises(NonFiniteError):
+        with pytest.raises(NonFiniteResult):
             mid.backward(h, bad, None, "nan").result(timeout=30)
         assert mid.samples_accumulated == 0
         ok = mid.backward(h, torch.randn(2, 8, 16), None, "ok").result(timeout=30)
@@ -72,7 +73,7 @@ def test_local_step_applies_mean_gradient_and_advances(last_stage):
 
 
 def test_shape_mismatch_is_an_error_not_a_crash(last_stage):
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RequestInvalid):
         last_stage.forward(torch.randn(2, 8, 15), torch.randint(0, 64, (2, 8))).result(timeout=30)
     assert last_stage.forward(torch.randn(2, 8, 16), torch.randint(0, 64, (2, 8))).result(timeout=30).loss.shape == (2,)
 
@@ -80,5 +81,5 @@ def test_shape_mismatch_is_an_error_not_a_crash(last_stage):
 def test_stop_fails_pending_work():
     ex = StageExecutor(build_stage(GPT, 1, 2), OptimConfig())
     ex.stop()
-    with pytest.raises(RuntimeError, match="stopped"):
+    with pytest.raises(ExecutorStopped, match="stopped"):
         ex.forward(torch.randn(1, 8, 16))

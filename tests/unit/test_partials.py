@@ -4,11 +4,11 @@ from every gradient the stage holds. The oracle: one executor that holds all of 
 import pytest
 import torch
 
-from swarm.training.config import OptimConfig
+from swarm.core.errors import StateError
 from swarm.peer.executor import Accumulated, StageExecutor
-from swarm.training.models import build_stage
 from swarm.peer.partials import decode_partial, encode_partial
-from swarm.training.state import StateError
+from swarm.training.config import OptimConfig
+from swarm.training.models import build_stage
 
 GPT = {"kind": "gpt", "vocab_size": 64, "seq_len": 8, "d_model": 16, "n_layers": 2, "n_heads": 2, "d_ff": 32}
 CFG = OptimConfig(lr=1e-2, warmup_steps=0)
@@ -28,7 +28,9 @@ def _batches(n: int):
 
 
 def _prediction(ex: StageExecutor) -> list[torch.Tensor]:
-    return [p.clone() for p in ex.call(ex._predicted).result(timeout=30)]
+    return [
+        p.clone() for p in ex.call(lambda: ex.lookahead.predicted(ex.acc.pending(ex.step), ex.step)).result(timeout=30)
+    ]
 
 
 def _wire(partial: Accumulated, step: int | None = None) -> tuple[dict, bytes]:
@@ -58,7 +60,7 @@ def test_a_mates_sum_makes_the_prediction_of_the_whole_stage():
         assert [g.shape for g in partial.grads] == [p.shape for p in mine.params]
         assert mine.call(lambda: mine.set_mate_partial("mate", partial)).result(timeout=30)
         shared = _prediction(mine)
-        assert mine.predictions_with_mates == 1
+        assert mine.lookahead.counters.predictions_with_mates == 1
         # the mate's half moves the prediction onto the whole stage's, up to bfloat16 rounding (a
         # first Adam step is lr x sign(g): a coordinate whose halves nearly cancel may still differ)
         assert _distance(shared, want) < 0.05 * _distance(alone, want)
@@ -66,7 +68,7 @@ def test_a_mates_sum_makes_the_prediction_of_the_whole_stage():
         assert mine.samples_accumulated == 4
         # once the update is applied, the mate's sum is dropped with it
         mine.call(lambda: mine.apply_mean_gradient([torch.zeros_like(p) for p in mine.params], 0)).result(timeout=30)
-        assert mine._mate_partials == {}
+        assert mine.lookahead.mate_partials == {}
     finally:
         for ex in (whole, mine, mate):
             ex.stop()
@@ -77,7 +79,7 @@ def test_a_sum_for_another_step_is_ignored_and_not_pending_gives_none():
     try:
         zeros = [torch.zeros_like(p, dtype=torch.bfloat16) for p in ex.params]
         assert not ex.call(lambda: ex.set_mate_partial("m", Accumulated(zeros, 2, 5))).result(timeout=30)
-        assert ex._mate_partials == {}
+        assert ex.lookahead.mate_partials == {}
         assert ex.call(lambda: ex.partial_gradient(3)).result(timeout=30) is None
         empty = ex.call(lambda: ex.partial_gradient(0)).result(timeout=30)
         assert empty.samples == 0 and empty.grads is None

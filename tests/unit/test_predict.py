@@ -6,8 +6,8 @@ import copy
 import pytest
 import torch
 
-from swarm.training.config import OptimConfig
 from swarm.peer.executor import StageExecutor
+from swarm.training.config import OptimConfig
 from swarm.training.models import build_stage
 from swarm.training.optim import apply_update, build_optimizer, expected_mean_gradient, predicted_params
 
@@ -83,7 +83,7 @@ def test_run_ahead_backward_uses_the_predicted_parameters(predict):
         h1, y1 = torch.randn(2, 8, 16), torch.randint(0, 64, (2, 8))
         ex.backward(h0, None, y0, "step0", 0).result(timeout=30)
         current = [p.detach().clone() for p in ex.params]
-        acc0 = [g.clone() for g in ex.call(lambda: ex._acc[0].grads).result(timeout=30)]
+        acc0 = [g.clone() for g in ex.call(lambda: ex.acc.get(0).grads).result(timeout=30)]
         expected_at = predicted_params(ex.optimizer, cfg, 0, [g / 4 for g in acc0]) if predict else current
 
         ahead = ex.backward(h1, None, y1, "step1", 1).result(timeout=30)
@@ -91,10 +91,10 @@ def test_run_ahead_backward_uses_the_predicted_parameters(predict):
         assert all(torch.equal(p, c) for p, c in zip(ex.params, current, strict=True))  # restored
         want_grads, want_loss = _grads_at(ex.module, expected_at, h1, y1)
         assert float(ahead.loss.sum()) == pytest.approx(want_loss, rel=1e-5)
-        got = ex.call(lambda: ex._acc[1].grads).result(timeout=30)
+        got = ex.call(lambda: ex.acc.get(1).grads).result(timeout=30)
         for g, w in zip(got, want_grads, strict=True):
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
-        assert ex.predicted_samples == (2 if predict else 0)
+        assert ex.lookahead.counters.predicted_samples == (2 if predict else 0)
 
         # forward of a run-ahead microbatch: the same parameters; validation: the current ones
         fwd = ex.forward(h1, y1, tag=1).result(timeout=30)

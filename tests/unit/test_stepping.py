@@ -5,11 +5,11 @@ import asyncio
 import pytest
 import torch
 
-from swarm.training.config import OptimConfig
 from swarm.peer.executor import StageExecutor
+from swarm.peer.stepping import StepCoordinator
+from swarm.training.config import OptimConfig
 from swarm.training.models import build_stage
 from swarm.training.state import deserialize, serialize
-from swarm.peer.stepping import StepCoordinator
 
 GPT = {"kind": "gpt", "vocab_size": 64, "seq_len": 8, "d_model": 16, "n_layers": 2, "n_heads": 2, "d_ff": 32}
 
@@ -31,6 +31,22 @@ def _accumulate(ex: StageExecutor, n: int, key: str) -> None:
     ex.backward(h, None, y, key).result(timeout=30)
 
 
+class _Mates:
+    """The peer's side the step coordinator talks to: no live mates, a state download."""
+
+    def __init__(self, peer_id, download):
+        self.peer_id, self._download = peer_id, download
+
+    def live_mates(self):
+        return []
+
+    async def sync_from_mates(self, preferred=None) -> bool:
+        return await self._download(preferred)
+
+    async def refresh_view(self) -> None:
+        return None
+
+
 def _catch_up(behind: StageExecutor, ahead: StageExecutor) -> None:
     """`behind` froze its gradient for update 0, its all-reduce failed, and `ahead` applied update 0."""
 
@@ -39,7 +55,7 @@ def _catch_up(behind: StageExecutor, ahead: StageExecutor) -> None:
         behind.call(lambda: behind.load_state_dict(state)).result(timeout=30)
         return True
 
-    coordinator = StepCoordinator(behind, None, "peer-b", lambda: [], download, 8, 30.0)
+    coordinator = StepCoordinator(behind, None, _Mates("peer-b", download), 8, 30.0)
     frozen = behind.call(behind.take_accumulated).result(timeout=30)
     asyncio.run(coordinator._catch_up(frozen))
 
@@ -60,6 +76,6 @@ def test_catch_up_counts_own_gradient_once(mates, b_in_mates_update):
     assert all(torch.equal(p, q) for p, q in zip(a.params, b.params, strict=True))
     if b_in_mates_update:
         # the mate's round completed with b's gradient: carrying it would count those samples twice
-        assert b.samples_accumulated == 0 and b.samples_discarded == 0
+        assert b.samples_accumulated == 0 and b.counters.samples_discarded == 0
     else:
         assert b.samples_accumulated == 4 and b.accumulating_step == 1

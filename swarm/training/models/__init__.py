@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from swarm.core.checks import all_finite
+from swarm.core.errors import RequestInvalid
 from swarm.training.models.gpt import GPT, GPTConfig, build_gpt_stage
 from swarm.training.models.mlp import MLPConfig, MLPStage, build_mlp_stage
 
@@ -38,26 +39,26 @@ class TensorSchema:
 
     def check(self, tensor: torch.Tensor, what: str, max_batch: int) -> None:
         if tensor.dtype != self.dtype:
-            raise ValueError(f"{what} has dtype {tensor.dtype}, expected {self.dtype}")
+            raise RequestInvalid(f"{what} has dtype {tensor.dtype}, expected {self.dtype}")
         if tensor.dim() != 1 + len(self.dims):
-            raise ValueError(
+            raise RequestInvalid(
                 f"{what} has shape {list(tensor.shape)}, expected [batch, {', '.join(map(_dim, self.dims))}]"
             )
         if not 1 <= tensor.shape[0] <= max_batch:
-            raise ValueError(f"{what} has batch size {tensor.shape[0]}, allowed 1..{max_batch}")
+            raise RequestInvalid(f"{what} has batch size {tensor.shape[0]}, allowed 1..{max_batch}")
         for i, (actual, want) in enumerate(zip(tensor.shape[1:], self.dims, strict=True)):
             limit = self.max_dims[i] if i < len(self.max_dims) else None
             if want is not None and actual != want:
-                raise ValueError(f"{what} has shape {list(tensor.shape)}, dim {i + 1} must be {want}")
+                raise RequestInvalid(f"{what} has shape {list(tensor.shape)}, dim {i + 1} must be {want}")
             if want is None and (actual < 1 or (limit is not None and actual > limit)):
-                raise ValueError(f"{what} has shape {list(tensor.shape)}, dim {i + 1} must be in 1..{limit}")
+                raise RequestInvalid(f"{what} has shape {list(tensor.shape)}, dim {i + 1} must be in 1..{limit}")
         if self.dtype.is_floating_point:
             if not all_finite(tensor):
-                raise ValueError(f"{what} contains NaN or infinity")
+                raise RequestInvalid(f"{what} contains NaN or infinity")
         elif self.value_range is not None and tensor.numel():
             lo, hi = self.value_range
             if tensor.min().item() < lo or tensor.max().item() >= hi:
-                raise ValueError(f"{what} has values outside [{lo}, {hi})")
+                raise RequestInvalid(f"{what} has values outside [{lo}, {hi})")
 
 
 def _dim(d: int | None) -> str:

@@ -1,0 +1,42 @@
+"""The `swarm` command: the roles of a swarm (`roles`: coordinator, peer, trainer), a local swarm and
+the tools that look at one (`tools`: local, status, export), the simulator (swarm.sim.cli)."""
+
+from __future__ import annotations
+
+import argparse
+
+from swarm.cli.roles import add_coordinator_parser, add_peer_parser, add_trainer_parser
+from swarm.cli.tools import add_export_parser, add_local_parser, add_status_parser
+
+EPILOG = """\
+A local demo:       swarm local
+Several terminals:  swarm coordinator --run-id demo          (prints the --initial-peers to use)
+                    swarm peer --run-id demo --initial-peers /ip4/127.0.0.1/tcp/PORT/p2p/ID
+                    swarm trainer --run-id demo --initial-peers ... --steps 100
+"""
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="swarm",
+        description="SWARM-parallel training on a swarm of unreliable machines.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_coordinator_parser(sub)
+    add_peer_parser(sub)
+    add_trainer_parser(sub)
+    add_local_parser(sub)
+    add_status_parser(sub)
+    add_export_parser(sub)
+    from swarm.sim.cli import add_sim_parser  # the simulator imports no torch or hivemind at all
+
+    add_sim_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    return args.func(args) or 0

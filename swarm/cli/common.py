@@ -1,0 +1,51 @@
+"""Pieces every `swarm` subcommand shares: joining a run (--run-id, --initial-peers), the event
+loop, and turning a user's mistake into one clear line."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+INITIAL_PEERS_FILE_WAIT_S = 120.0
+
+
+def install_uvloop() -> None:
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:  # pragma: no cover - uvloop is a dependency
+        pass
+
+
+def add_join_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run-id", required=True, help="the run to join")
+    p.add_argument(
+        "--initial-peers", nargs="+", metavar="MULTIADDR", help="DHT multiaddrs (the coordinator prints them)"
+    )
+    p.add_argument(
+        "--initial-peers-file",
+        metavar="PATH",
+        help="read the multiaddrs from this file (the coordinator's --maddrs-file), waiting for it to appear",
+    )
+
+
+def initial_peers(args: argparse.Namespace, timeout_s: float = INITIAL_PEERS_FILE_WAIT_S) -> list[str]:
+    """--initial-peers, or the lines of --initial-peers-file once it exists."""
+    if args.initial_peers:
+        return list(args.initial_peers)
+    path = getattr(args, "initial_peers_file", None)
+    if not path:
+        raise SystemExit("give --initial-peers MULTIADDR... or --initial-peers-file PATH")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with open(path) as f:
+                peers = [line.strip() for line in f if line.strip()]
+            if peers:
+                return peers
+        except FileNotFoundError:
+            pass
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{path} did not appear (or stayed empty) within {timeout_s:.0f} s")
+        time.sleep(0.5)

@@ -1,0 +1,81 @@
+"""The run configuration's command-line options (coordinator and `swarm local`): generated from
+RunConfig, OptimConfig and DataConfig, each overriding the value of a `--config` file or the default."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from swarm.core.settings import add_settings, given
+from swarm.training.config import MODEL_PRESETS, OptimConfig, RunConfig, model_spec_from_text
+from swarm.training.data import DataConfig
+
+
+def add_run_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("run configuration (published on the DHT by the coordinator)")
+    g.add_argument("--config", metavar="FILE", help="a run config JSON file (the options below override its fields)")
+    g.add_argument("--model", help=f"a preset ({', '.join(MODEL_PRESETS)}; default gpt) or a JSON model spec")
+    g.add_argument(
+        "--custom-model",
+        metavar="PKG.MODULE:BUILD_STAGES",
+        help="your own model: build_stages(num_stages=S) -> list of stage modules",
+    )
+    g.add_argument("--seed", type=int, help="model initialization and data order seed (default 0)")
+    add_settings(g, RunConfig, overrides_only=True)
+    add_settings(g, OptimConfig, overrides_only=True)
+    add_settings(g, DataConfig, overrides_only=True)
+
+
+def _read_config_file(path: str) -> dict:
+    try:
+        with open(path) as f:
+            base = json.load(f)
+    except OSError as e:
+        raise SystemExit(f"cannot read --config {path}: {e.strerror}") from None
+    except ValueError as e:
+        raise SystemExit(f"--config {path} is not valid JSON: {e}") from None
+    if not isinstance(base, dict):
+        raise SystemExit(f"--config {path} must hold a JSON object")
+    return base
+
+
+def _model(args: argparse.Namespace, base: dict) -> dict:
+    if args.custom_model:
+        return {"kind": "custom", "factory": args.custom_model}
+    if args.model is not None:
+        return model_spec_from_text(args.model)
+    return dict(base["model"]) if "model" in base else model_spec_from_text("gpt")
+
+
+def build_run_config(
+    args: argparse.Namespace, run_id: str, stages: int, num_trainers: int, steps: int | None = None
+) -> RunConfig:
+    """The run config from a `--config` file (if any), overridden by the options given; exits with
+    a clear message when it cannot work."""
+    base = _read_config_file(args.config) if args.config else {}
+    try:
+        model = _model(args, base)
+        if args.seed is not None and model.get("kind") != "custom":
+            model["seed"] = args.seed
+        data = {**base.get("data", {}), **given(args, DataConfig)}
+        if "kind" not in data and model.get("kind") == "mlp":
+            data["kind"] = "synthetic"
+        if args.seed is not None:
+            data["seed"] = args.seed
+        optim = {**base.get("optim", {}), **given(args, OptimConfig)}
+        if "total_steps" not in optim and steps is not None:
+            optim["total_steps"] = max(1, steps)
+        skip = ("model", "data", "optim", "run_id", "num_stages", "num_trainers")
+        fields = {k: v for k, v in base.items() if k not in skip}
+        fields.update(given(args, RunConfig))
+        return RunConfig(
+            run_id=run_id,
+            num_stages=stages,
+            model=model,
+            data=DataConfig(**data),
+            optim=OptimConfig(**optim),
+            num_trainers=num_trainers,
+            **fields,
+        )
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"invalid run configuration: {e}") from None

@@ -1,0 +1,101 @@
+"""`swarm local`, `swarm status`, `swarm export`: a whole swarm on this machine, and the tools that
+look at one."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import uuid
+
+from swarm.cli.common import add_join_args, initial_peers
+from swarm.cli.run_options import add_run_options, build_run_config
+from swarm.core.log import setup_logging
+from swarm.core.settings import add_settings, default_of, from_args
+from swarm.local import LocalOptions
+from swarm.peer.config import PeerConfig
+
+
+def add_local_parser(sub) -> None:
+    p = sub.add_parser("local", help="a whole swarm on this machine, every role its own process")
+    add_settings(p, LocalOptions, defaults={"stages": None})
+    p.add_argument("--json", action="store_true", help="print one JSON summary as the last stdout line")
+    p.add_argument("--checkpoint-dir", help="peers write and restore stage checkpoints here")
+    every = default_of(PeerConfig, "checkpoint_every")
+    p.add_argument("--checkpoint-every", type=int, default=every, help=f"steps between checkpoints (default {every})")
+    p.add_argument("--peer-arg", action="append", default=[], help="extra argument for every peer (repeatable)")
+    p.add_argument("--trainer-arg", action="append", default=[], help="extra argument for every trainer (repeatable)")
+    add_run_options(p)
+    p.set_defaults(func=cmd_local)
+
+
+def cmd_local(args: argparse.Namespace) -> int:
+    from swarm.local import run_local
+
+    setup_logging("local", args.log_level)
+    layout = args.stage_layout
+    stages = args.stages or (len(layout) if layout else 3)
+    run_id = args.run_id or f"local-{uuid.uuid4().hex[:8]}"
+    run = build_run_config(args, run_id, stages, args.trainers, steps=args.steps)
+    checkpoint_args = []
+    if args.checkpoint_dir:
+        checkpoint_args = ["--checkpoint-dir", args.checkpoint_dir, "--checkpoint-every", str(args.checkpoint_every)]
+    opts = from_args(
+        LocalOptions,
+        args,
+        stages=stages,
+        run_id=run_id,
+        run_args=["--config-json", run.to_json()],
+        peer_args=checkpoint_args + args.peer_arg,
+        trainer_args=list(args.trainer_arg),
+    )
+    try:
+        opts.layout()
+    except ValueError as e:
+        raise SystemExit(f"swarm local: {e}") from None
+    try:
+        run_local(opts, as_json=args.json)
+    except KeyboardInterrupt:
+        print("\ninterrupted: every process of the local swarm was stopped", file=sys.stderr)
+        return 130
+    return 0
+
+
+def add_status_parser(sub) -> None:
+    p = sub.add_parser("status", help="the swarm now: stages, peers, throughput, bottleneck, recent events")
+    add_join_args(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_status)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from swarm.status import collect_status, print_status
+
+    setup_logging("status", args.log_level or "WARNING")
+    status = asyncio.run(collect_status(args.run_id, initial_peers(args)))
+    if args.json:
+        print(json.dumps(status))
+    else:
+        print_status(status)
+    return 0
+
+
+def add_export_parser(sub) -> None:
+    p = sub.add_parser("export", help="merge stage checkpoints into one state_dict of the unsplit model")
+    p.add_argument("--checkpoint-dir", required=True, help="the peers' --checkpoint-dir")
+    p.add_argument("--out", required=True, help="output .pt file (a plain state_dict)")
+    p.add_argument("--step", type=int, help="checkpoint step to export (default: the newest all stages have)")
+    p.set_defaults(func=cmd_export)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from swarm.export import export
+
+    setup_logging("export", args.log_level)
+    try:
+        result = export(args.checkpoint_dir, args.out, args.step)
+    except ValueError as e:
+        raise SystemExit(f"swarm export: {e}") from None
+    print(json.dumps(result))
+    return 0

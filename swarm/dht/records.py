@@ -1,0 +1,57 @@
+"""The schema of the swarm's DHT records: what a peer announces under its stage's key, its recent
+events, the run config. hivemind's SchemaValidator checks every stored value against `SwarmSchema`
+on every node (written against pydantic's v1 API, as hivemind is)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import pydantic.v1 as pydantic
+
+from swarm.core.states import PeerState
+
+MAX_STAGES = 64
+
+
+class PeerRecord(pydantic.BaseModel):
+    """What a peer announces about itself under its stage's key (strict types: no conversions)."""
+
+    peer_id: pydantic.constr(strict=True, max_length=80)
+    state: Literal[tuple(s.value for s in PeerState)]  # type: ignore[valid-type]
+    address: pydantic.constr(strict=True, max_length=200)
+    throughput: pydantic.confloat(strict=True, ge=0.0)
+    queue: pydantic.conint(strict=True, ge=0)
+    step: pydantic.conint(strict=True, ge=0)
+    version: pydantic.constr(strict=True, max_length=40)
+    device: pydantic.constr(strict=True, max_length=40) = "cpu"
+
+    class Config:
+        extra = pydantic.Extra.forbid
+
+    @pydantic.validator("state", pre=True)
+    def _plain_state(cls, value):  # noqa: N805 - pydantic's validator signature
+        """Store the state's plain string: records travel through msgpack, which knows no enums."""
+        return value.value if isinstance(value, PeerState) else value
+
+
+class EventRecord(pydantic.BaseModel):
+    events: pydantic.conlist(pydantic.constr(strict=True, max_length=400), max_items=16)
+
+    class Config:
+        extra = pydantic.Extra.forbid
+
+
+_OwnerKey = pydantic.conbytes(strict=True, max_length=1024)
+_schema_fields: dict = {f"stage_{k}": (dict[_OwnerKey, PeerRecord] | None, None) for k in range(MAX_STAGES)}
+_schema_fields["config"] = (dict[_OwnerKey, pydantic.constr(strict=True, max_length=4000)] | None, None)
+_schema_fields["events"] = (dict[_OwnerKey, EventRecord] | None, None)
+# hivemind's SchemaValidator is written against pydantic's v1 API (pydantic.v1 under pydantic 2).
+SwarmSchema = pydantic.create_model("SwarmSchema", __module__=__name__, **_schema_fields)
+
+
+@dataclass(frozen=True)
+class PeerEntry:
+    owner: bytes
+    record: PeerRecord
+    expiration: float

@@ -1,0 +1,63 @@
+"""The run-peer daemon's settings: defaults and help text in one place; `swarm peer`'s options are
+generated from them (swarm.core.settings)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from swarm.core.settings import setting
+from swarm.policy.rebalance import DEFAULT_THRESHOLD
+from swarm.training.averaging import AveragingConfig
+
+
+@dataclass
+class PeerConfig:
+    run_id: str = setting(help="the run to join", metavar="RUN_ID")
+    initial_peers: list[str] = setting(factory=list, help="DHT multiaddrs (the coordinator prints them)", cli=False)
+    stage: str = setting("auto", "stage index to serve, or auto: the stage with the least total throughput")
+    host: str = setting("127.0.0.1", "interface for gRPC and the DHT (0.0.0.0 for all)")
+    port: int = setting(0, "gRPC port (0: any free port)")
+    dht_port: int = setting(0, "DHT port (0: any free port)")
+    announce_host: str | None = setting(None, "address other machines reach this peer at (behind NAT, in containers)")
+    device: str = setting("auto", "auto (CUDA when present, else CPU), cpu, cuda, cuda:N")
+    threads: int = setting(0, "torch intra-op threads (0: torch's default)")
+    announce_period_s: float = setting(2.0, "seconds between DHT record refreshes")
+    record_ttl_s: float = setting(8.0, "seconds a DHT record lives without refresh")
+    step_poll_s: float = setting(0.05, "seconds between checks whether the stage's pending update is due", cli=False)
+    partial_step_timeout_s: float = setting(
+        30.0, "apply what the stage holds when its count for an update has not grown for this long", cli=False
+    )
+    join_timeout_s: float = setting(60.0, "longest wait for the run config on the DHT at start")
+    drain_timeout_s: float = setting(10.0, "longest wait for in-flight requests when leaving a stage or stopping")
+    state_timeout_s: float = setting(120.0, "longest a state download from a stage-mate may take")
+    max_message_mb: int = setting(256, "largest request accepted, in MiB")
+    use_benchmark_cache: bool = setting(
+        True, "reuse the cached throughput benchmark of this device, model and stage", flag="--benchmark-cache"
+    )
+    checkpoint_dir: str | None = setting(None, "write (one peer per stage) and restore checkpoints of stages here")
+    checkpoint_every: int = setting(50, "steps between checkpoints")
+    checkpoint_keep: int = setting(3, "checkpoints kept per stage")
+    averaging: AveragingConfig = field(default_factory=AveragingConfig)
+    rebalance: bool = setting(True, "move to the stage that slows the swarm down (--no-rebalance: never move)")
+    rebalance_period_s: float = setting(15.0, "seconds between rebalancing checks (+-30% jitter)")
+    rebalance_threshold: float = setting(
+        DEFAULT_THRESHOLD, "a move must raise the slowest stage by this fraction of the mean peer's throughput"
+    )
+    move_cooldown_s: float = setting(60.0, "seconds after joining or moving before this peer moves (again)")
+    events_ttl_s: float = setting(600.0, "seconds this peer's recent events stay on the DHT", cli=False)
+
+    def __post_init__(self) -> None:
+        if self.stage != "auto" and not str(self.stage).isdigit():
+            raise ValueError(f"--stage must be a stage index or 'auto', got {self.stage!r}")
+        if self.checkpoint_every < 1:
+            raise ValueError("--checkpoint-every must be >= 1")
+
+    @property
+    def max_message_bytes(self) -> int:
+        return self.max_message_mb << 20
+
+    @property
+    def max_state_bytes(self) -> int:
+        """A stage's state (parameters and optimizer moments, about 3x the parameters) may exceed one
+        request's limit: downloads accept up to 4x it."""
+        return 4 * self.max_message_bytes

@@ -1,0 +1,77 @@
+"""What the compute thread works on: tasks (forward, backward, eval, or a function to run between
+batches), their results, and how queued tasks are grouped into one batch."""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from swarm.peer.executor.accumulators import Accumulators
+
+FORWARD, BACKWARD, EVAL, CALL = "forward", "backward", "eval", "call"
+
+
+@dataclass
+class Task:
+    kind: str
+    inputs: torch.Tensor | None = None
+    targets: torch.Tensor | None = None
+    grad_output: torch.Tensor | None = None
+    request_id: str = ""
+    tag: int = 0  # forward and backward: the step the trainer meant this microbatch for
+    fn: Callable[[], Any] | None = None
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    enqueued: float = field(default_factory=time.perf_counter)
+
+    @property
+    def size(self) -> int:
+        return 0 if self.inputs is None else int(self.inputs.shape[0])
+
+    def batch_key(self, accumulators: Accumulators) -> tuple:
+        x, t = self.inputs, self.targets
+        tag = accumulators.target_step(self.tag) if self.kind in (FORWARD, BACKWARD) else 0
+        return (self.kind, x.dtype, tuple(x.shape[1:]), None if t is None else tuple(t.shape[1:]), tag)
+
+
+@dataclass
+class ForwardResult:
+    output: torch.Tensor | None  # None on the last stage
+    loss: torch.Tensor | None  # per-sample losses on the last stage
+    compute_s: float
+
+
+@dataclass
+class BackwardResult:
+    grad_input: torch.Tensor | None
+    loss: torch.Tensor | None
+    accumulated_step: int
+    duplicate: bool
+    compute_s: float
+
+
+def take_batch(
+    queue: collections.deque[Task], acc: Accumulators, max_samples: int, is_duplicate: Callable[[Task], bool]
+) -> list[Task]:
+    """Pop the first task and every later one that can share its batch: same kind, shapes and target
+    update, within `max_samples`. A function call or a duplicate Backward runs alone."""
+    first = queue.popleft()
+    if first.kind == CALL or is_duplicate(first):
+        return [first]
+    batch, total, key = [first], first.size, first.batch_key(acc)
+    keep: list[Task] = []
+    while queue and total < max_samples:
+        task = queue.popleft()
+        fits = total + task.size <= max_samples
+        if task.kind != CALL and fits and task.batch_key(acc) == key and not is_duplicate(task):
+            batch.append(task)
+            total += task.size
+        else:
+            keep.append(task)
+    queue.extendleft(reversed(keep))
+    return batch

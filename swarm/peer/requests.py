@@ -1,0 +1,52 @@
+"""Checking a Forward/Backward request against the stage before any compute: targets, streamed
+tensor headers, output gradients. Every failure is a typed error (swarm.core.errors) that the
+server maps to a gRPC status."""
+
+from __future__ import annotations
+
+import torch
+
+from swarm.core.checks import all_finite
+from swarm.peer.serving import Limits
+from swarm.training.models import StageSchema
+from swarm.wire import codec
+from swarm.wire.codec import WireError
+from swarm.wire.protocol import pb
+
+
+def decode_targets(msg, schema: StageSchema, batch: int, limits: Limits) -> torch.Tensor | None:
+    """The last stage's targets, checked against its schema and the input's batch."""
+    if not schema.is_last:
+        return None
+    if not msg.HasField("targets"):
+        raise WireError("the last stage needs targets")
+    targets = codec.decode(msg.targets, limits.max_numel)
+    schema.targets.check(targets, "targets", limits.max_batch)
+    if targets.shape[0] != batch:
+        raise WireError(f"targets batch {targets.shape[0]} differs from input batch {batch}")
+    return targets
+
+
+def check_header(header: pb.Tensor, what: str, schema: StageSchema, limits: Limits) -> int:
+    """Check a streamed tensor's header against the stage's schema before any part arrives; returns
+    its batch size."""
+    if header.dtype not in codec.DTYPES or header.codec not in codec.CODEC_LABELS:
+        raise WireError(f"{what}: unknown dtype {header.dtype!r} or codec {header.codec}")
+    shape = tuple(int(d) for d in header.shape)
+    if not shape or not 1 <= shape[0] <= limits.max_batch:
+        raise WireError(f"{what} has shape {list(shape)}: batch must be in 1..{limits.max_batch}")
+    if what == "input":
+        schema.input.check(torch.zeros((1, *shape[1:]), dtype=codec.DTYPES[header.dtype]), what, 1)
+    return shape[0]
+
+
+def check_grad_output(grad: torch.Tensor | None, batch: int) -> torch.Tensor:
+    if grad is None:
+        raise WireError("backward on a non-last stage needs grad_output")
+    if not grad.dtype.is_floating_point:
+        raise WireError(f"grad_output must be a float tensor, got {grad.dtype}")
+    if grad.shape[0] != batch:
+        raise WireError(f"grad_output batch {grad.shape[0]} differs from input batch {batch}")
+    if not all_finite(grad):
+        raise WireError("grad_output contains NaN or infinity")
+    return grad.float()

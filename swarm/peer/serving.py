@@ -1,0 +1,76 @@
+"""What a peer's gRPC service serves right now: the stage, its executor and schema, the peer's
+state, and the limits every request is checked against. The peer's membership swaps the stage's
+parts when it moves; `info()` is the Info answer."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from swarm.core.errors import NotServing, WrongTarget
+from swarm.core.states import PeerState
+from swarm.peer.executor import StageExecutor
+from swarm.training.models import StageSchema
+from swarm.wire.options import MiB
+from swarm.wire.protocol import pb
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_message_bytes: int = 256 * MiB
+    max_numel: int = 1 << 28
+    max_batch: int = 256
+
+
+class ServingState:
+    def __init__(self, run_id: str, peer_id: str, version: str) -> None:
+        self.run_id, self.peer_id, self.version = run_id, peer_id, version
+        self.stage: int = -1
+        self.state: PeerState = PeerState.JOINING
+        self.executor: StageExecutor | None = None
+        self.schema: StageSchema | None = None
+        self.codec: int = pb.CODEC_NONE
+        self.started = time.monotonic()
+        self.throughput: float = 0.0
+        self.in_flight = 0
+        # exact mode: a request for step t is computed only once this peer has applied step t - 1
+        self.exact = False
+        self.step_wait_s = 20.0
+
+    def check_target(self, run_id: str, stage: int) -> tuple[StageExecutor, StageSchema]:
+        """The executor and schema to serve a request for (run_id, stage) with, or a typed error:
+        WrongTarget (another run, or a stage this peer does not serve: it moved) or NotServing."""
+        if run_id != self.run_id:
+            raise WrongTarget(f"run id {run_id!r} is not this peer's run {self.run_id!r}")
+        executor, schema = self.executor, self.schema
+        if not self.state.serving or executor is None or schema is None:
+            raise NotServing(f"peer is {self.state}, not serving")
+        if stage != self.stage:
+            raise WrongTarget(f"this peer serves stage {self.stage}, not stage {stage}")
+        return executor, schema
+
+    def info(self) -> pb.InfoResponse:
+        ex = self.executor
+        fp_step, fp_sum, fp_abs = (0, 0.0, 0.0) if ex is None else ex.fingerprint
+        counters = None if ex is None else ex.counters
+        return pb.InfoResponse(
+            peer_id=self.peer_id,
+            run_id=self.run_id,
+            stage=self.stage,
+            state=self.state.value,
+            throughput=self.throughput,
+            queue_length=0 if ex is None else ex.queue_length,
+            version=self.version,
+            step=fp_step,
+            samples_accumulated=0 if ex is None else ex.samples_accumulated,
+            accumulating_step=0 if ex is None else ex.accumulating_step,
+            uptime_ms=int((time.monotonic() - self.started) * 1000),
+            num_parameters=0 if ex is None else sum(p.numel() for p in ex.params),
+            samples_processed=0 if counters is None else counters.samples_processed,
+            samples_discarded=0 if counters is None else counters.samples_discarded,
+            averaging_rounds=0 if counters is None else counters.averaging_rounds,
+            params_sum=fp_sum,
+            params_abs=fp_abs,
+            compute_seconds=0.0 if counters is None else counters.compute_seconds,
+            samples_predicted=0 if ex is None else ex.lookahead.counters.predicted_samples,
+        )

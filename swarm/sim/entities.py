@@ -1,0 +1,50 @@
+"""What the simulator moves around: peers, microbatches and their hops (tasks), and the event kinds."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from swarm.policy.wiring import PeerLoad
+
+JOINING, ONLINE, DRAINING, MOVING, DEAD = range(5)
+ARRIVE, DONE, FAIL, PREEMPT, JOIN, READY, REMOVE, REBALANCE, POLL, TICK = range(10)
+NO_EXCLUDE: frozenset[str] = frozenset()
+
+
+class Peer:
+    __slots__ = tuple(
+        "idx pid thr bw lat stage dst state queue queued_work running run_start transit loads placed_at".split()
+    )
+
+    def __init__(self, idx: int, thr: float, bw: float, lat: float, trainers: int) -> None:
+        self.idx, self.pid, self.thr, self.bw, self.lat = idx, f"p{idx:06d}", thr, bw, lat
+        self.stage = self.dst = 0
+        self.state = JOINING
+        self.queue: deque[Task] = deque()
+        self.queued_work = 0.0
+        self.running: Task | None = None
+        self.run_start = 0.0
+        self.transit: dict[Task, None] = {}  # a dict, not a set: iteration order must not depend on ids
+        # what each trainer knows about this peer: one PeerLoad per trainer, as in the real trainers
+        self.loads = [PeerLoad(self.pid, 0, self.pid, throughput=thr) for _ in range(trainers)]
+        self.placed_at = -math.inf
+
+
+class Microbatch:
+    __slots__ = ("mid", "trainer", "hop", "t0", "credit", "sender", "exclude")
+
+    def __init__(self, mid: int, trainer: int, hop: int, t0: float, credit: float) -> None:
+        self.mid, self.trainer, self.hop, self.t0 = mid, trainer, hop, t0
+        self.credit = credit  # the share of its work done in the simulation (1 unless it started mid-way)
+        self.sender: Peer | None = None  # the peer that holds the activations for the next hop
+        self.exclude: frozenset[str] = NO_EXCLUDE
+
+
+class Task:
+    """One attempt at one hop of one microbatch on one peer."""
+
+    __slots__ = ("mb", "peer", "load", "work", "lost")
+
+    def __init__(self, mb: Microbatch, peer: Peer, load: PeerLoad, work: float) -> None:
+        self.mb, self.peer, self.load, self.work, self.lost = mb, peer, load, work, False

@@ -1,0 +1,114 @@
+"""What a trainer tells its user and its scripts: counters (`Stats`), a progress line per global
+step (a parseable JSON line with --json-progress, a bar on a terminal) and the final summary."""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+from swarm.core.log import set_context
+from swarm.core.procs import PROGRESS_PREFIX
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Stats:
+    microbatches_started: int = 0
+    microbatches_completed: int = 0
+    microbatches_requeued: int = 0
+    microbatches_rejected: int = 0
+    microbatches_cancelled: int = 0  # in flight when the target step was reached
+    samples: int = 0
+    retries: int = 0
+    failed_calls: int = 0
+    replays: int = 0
+    failed_peers: set[str] = field(default_factory=set)
+    failed_calls_by_code: collections.Counter[str] = field(default_factory=collections.Counter)
+    losses_by_step: dict[int, list[tuple[float, int]]] = field(default_factory=lambda: collections.defaultdict(list))
+    val_losses: list[tuple[int, float]] = field(default_factory=list)
+
+    def mean_loss(self, step: int | None) -> float | None:
+        """The sample-weighted mean training loss of the microbatches of `step`."""
+        vals = self.losses_by_step.get(step) or [] if step is not None else []
+        return sum(v * n for v, n in vals) / sum(n for _, n in vals) if vals else None
+
+
+class Reporter:
+    """Progress per global step, and the summary at the end."""
+
+    def __init__(self, stats: Stats, trainer_index: int, target: int, json_progress: bool) -> None:
+        self.stats, self.trainer_index, self.target, self.json_progress = stats, trainer_index, target, json_progress
+        self.t_start = time.monotonic()
+        self.bar = None
+        self.last_step: int | None = None
+
+    def open_bar(self, start_step: int, stream) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(
+            total=self.target, initial=start_step, desc=f"trainer {self.trainer_index}", unit="step", file=stream
+        )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+    def samples_per_s(self) -> float:
+        return self.stats.samples / max(1e-9, time.monotonic() - self.t_start)
+
+    def progress(self, step: int | None) -> bool:
+        """Report a new global step; True when it is one (the caller may validate then)."""
+        if step is None or step == self.last_step:
+            return False
+        self.last_step = step
+        set_context(step=step)
+        loss = self.stats.mean_loss(step - 1)
+        line = {
+            "event": "progress",
+            "trainer": self.trainer_index,
+            "step": step,
+            "target": self.target,
+            "loss": loss,
+            "samples": self.stats.samples,
+            "samples_per_s": self.samples_per_s(),
+            "retries": self.stats.retries,
+        }
+        if self.json_progress:
+            print(PROGRESS_PREFIX + json.dumps(line), flush=True)
+        if self.bar is not None:
+            self.bar.n = min(step, self.target)
+            sps = f"{line['samples_per_s']:.1f}"
+            self.bar.set_postfix(loss=f"{loss:.3f}" if loss is not None else "-", sps=sps, retries=self.stats.retries)
+            self.bar.refresh()
+        return True
+
+    def summary(self, steps: int, wall_s: float, train_s: float, val_loss: float | None) -> dict:
+        s = self.stats
+        seen = sorted(s.losses_by_step)
+        return {
+            "steps": steps,
+            "samples": s.samples,
+            "loss_first": s.mean_loss(seen[0] if seen else None),
+            "loss_last": s.mean_loss(seen[-1] if seen else None),
+            "val_loss": val_loss,
+            "samples_per_s": s.samples / max(1e-9, train_s),
+            "wall_s": wall_s,
+            "peer_failures": len(s.failed_peers),
+            "retries": s.retries,
+            "failed_calls": s.failed_calls,
+            "replays": s.replays,
+            "microbatches_started": s.microbatches_started,
+            "microbatches_completed": s.microbatches_completed,
+            "microbatches_requeued": s.microbatches_requeued,
+            "microbatches_rejected": s.microbatches_rejected,
+            "microbatches_cancelled": s.microbatches_cancelled,
+            "failed_peer_ids": sorted(s.failed_peers),
+            "failed_calls_by_code": dict(s.failed_calls_by_code),
+            "val_losses": s.val_losses,
+            "trainer_index": self.trainer_index,
+            "first_step": seen[0] if seen else None,
+        }

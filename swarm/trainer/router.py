@@ -1,0 +1,151 @@
+"""Sending a trainer's calls: to the best peer of a stage (swarm.policy.wiring), with a deadline, and
+on failure to another one.
+
+What a peer's gRPC status means to the trainer:
+- INVALID_ARGUMENT, RESOURCE_EXHAUSTED: the request itself was refused; another peer would refuse
+  it too (`MicrobatchRejected`).
+- FAILED_PRECONDITION: the peer serves another stage or run now (it moved): choose another, no ban.
+- anything else (UNAVAILABLE: down, leaving its stage, shutting down; DEADLINE_EXCEEDED): ban the
+  peer with a growing back-off and retry on another one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import grpc
+
+from swarm.cluster.view import SwarmView
+from swarm.core.states import PeerState
+from swarm.policy.wiring import PeerLoad, Wiring
+from swarm.trainer.config import TrainerConfig
+from swarm.trainer.report import Stats
+from swarm.wire.pool import ClientPool
+from swarm.wire.tensors import WireTensor
+
+logger = logging.getLogger(__name__)
+
+REJECTED = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED})
+MOVED = frozenset({grpc.StatusCode.FAILED_PRECONDITION})
+NO_RETRY_CAP = None
+
+
+class StageUnavailable(RuntimeError):
+    """A stage has had no usable peer for the stage wait."""
+
+
+class MicrobatchFailed(RuntimeError):
+    """A call failed on every peer tried, up to the retry cap."""
+
+
+class MicrobatchRejected(RuntimeError):
+    """A peer refused the request as invalid: retrying elsewhere would not help."""
+
+
+def work_share(kind: str, stage: int, num_stages: int) -> float:
+    """The share of a training round's work a call does: a forward about a third, a backward two
+    thirds (it recomputes the forward), the last stage's backward the whole round."""
+    if kind == "forward":
+        return 1.0 / 3.0
+    return 1.0 if stage == num_stages - 1 else 2.0 / 3.0
+
+
+class Router:
+    def __init__(
+        self, cfg: TrainerConfig, view: SwarmView, clients: ClientPool, wiring: Wiring, stats: Stats, num_stages: int
+    ) -> None:
+        self.cfg, self.view, self.clients, self.wiring, self.stats = cfg, view, clients, wiring, stats
+        self.num_stages = num_stages
+
+    async def _choose(self, stage: int, samples: int, min_step: int | None, exclude: set[str]) -> PeerLoad:
+        """The best usable peer of `stage`, waiting (up to the stage wait) while there is none."""
+        wait_deadline = None
+        while True:
+            now = time.monotonic()
+            loads = self.view.stage_loads(stage, min_step)
+            peer = self.wiring.choose(loads, samples, now, exclude)
+            if peer is None and exclude:
+                exclude.clear()  # every candidate was tried: give the unbanned ones another go
+                peer = self.wiring.choose(loads, samples, now)
+            if peer is not None:
+                return peer
+            wait_deadline = wait_deadline or now + self.cfg.stage_wait_s
+            if now > wait_deadline:
+                raise StageUnavailable(f"stage {stage} has had no usable peer for {self.cfg.stage_wait_s:.0f} s")
+            await self.view.wait_changed(0.5)
+
+    def _on_error(self, stage: int, peer: PeerLoad, e: grpc.aio.AioRpcError) -> None:
+        code = e.code()
+        self.stats.failed_calls_by_code[code.name] += 1
+        if code in REJECTED:
+            raise MicrobatchRejected(f"stage {stage} peer {peer.peer_id[-6:]} rejected the request: {e.details()}")
+        self.stats.failed_calls += 1
+        if code in MOVED:
+            logger.info("stage %d peer %s: %s; choosing another", stage, peer.peer_id[-6:], e.details())
+            peer.online = False
+            status = self.view.peers.get(peer.peer_id)
+            if status is not None:
+                status.record_state = PeerState.OFFLINE
+            return
+        ban = self.wiring.on_failure(peer, time.monotonic())
+        self.stats.failed_peers.add(peer.peer_id)
+        logger.warning(
+            "stage %d peer %s failed (%s: %s); banned for %.0f s, retrying on another peer",
+            stage, peer.peer_id[-6:], code.name, (e.details() or "")[:120], ban,
+        )  # fmt: skip
+
+    def _measure(self, peer: PeerLoad, kind: str, stage: int, samples: int, elapsed: float) -> None:
+        """End-to-end throughput, network included (only from calls made when nothing else of this
+        trainer was in flight there); the wiring uses the slower of it and the peer's own figure,
+        since a fast GPU behind a slow link is a slow peer. Peers report whole training rounds."""
+        rate = samples * work_share(kind, stage, self.num_stages) / elapsed
+        peer.e2e_throughput = rate if peer.e2e_throughput is None else 0.8 * peer.e2e_throughput + 0.2 * rate
+
+    async def call(
+        self,
+        stage: int,
+        request,
+        tensors: dict[str, WireTensor],
+        samples: int,
+        kind: str,
+        exclude: set[str] | None = None,
+        retry_limit: int | None = -1,
+        min_step: int | None = None,
+    ) -> tuple[object, WireTensor | None, PeerLoad]:
+        """Send to the best peer of `stage`; on failure ban it and retry elsewhere.
+
+        Retries are capped at `retry_limit` (default: --max-retries; NO_RETRY_CAP for calls that must
+        not give up because part of the microbatch's gradient is already accumulated). Waiting for a
+        usable peer is capped by the stage wait either way. `min_step`: prefer peers that have
+        applied step min_step - 1 (exact mode).
+        """
+        retry_limit = self.cfg.max_retries if retry_limit == -1 else retry_limit
+        exclude = set(exclude or ())
+        attempts = 0
+        while True:
+            peer = await self._choose(stage, samples, min_step, exclude)
+            timeout = self.cfg.min_deadline_s + self.cfg.deadline_factor * peer.expected_finish(samples)
+            alone = peer.in_flight == 0  # only then does the call's time measure the peer, not our queue
+            peer.in_flight += samples
+            started = time.monotonic()
+            try:
+                response, output = await self.clients.get(peer.address).call(kind, request, tensors, timeout)
+            except grpc.aio.AioRpcError as e:
+                self._on_error(stage, peer, e)
+                exclude.add(peer.peer_id)
+                attempts += 1
+                self.stats.retries += 1
+                if retry_limit is not None and attempts > retry_limit:
+                    raise MicrobatchFailed(f"stage {stage}: {attempts} attempts failed") from None
+                continue
+            finally:
+                peer.in_flight -= samples
+            self.wiring.on_success(peer)
+            elapsed = time.monotonic() - started
+            if alone and elapsed > 0:
+                self._measure(peer, kind, stage, samples, elapsed)
+            return response, output, peer
+
+
+__all__ = ["MicrobatchFailed", "MicrobatchRejected", "NO_RETRY_CAP", "Router", "StageUnavailable"]
