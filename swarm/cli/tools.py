@@ -81,6 +81,37 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_ledger_parser(sub) -> None:
+    p = sub.add_parser("ledger", help="check that every sample entered every stage exactly once")
+    add_join_args(p)
+    p.add_argument(
+        "--sample-logs",
+        nargs="+",
+        metavar="GLOB",
+        help="the trainers' --sample-log files (default: check against the run's plan, without sample indices)",
+    )
+    p.add_argument("--ledger-dir", help="also read the peers' --ledger-dir files (dead peers' ledgers too)")
+    p.add_argument("--json", action="store_true", help="print the counts as one JSON object")
+    p.set_defaults(func=cmd_ledger)
+
+
+def cmd_ledger(args: argparse.Namespace) -> int:
+    from swarm.ledger import check_run, collect, read_ledger_dir, read_sample_logs
+    from swarm.policy.ledger import format_report
+
+    setup_logging("ledger", args.log_level or "WARNING")
+    run, entries = asyncio.run(collect(args.run_id, initial_peers(args)))
+    if args.ledger_dir:
+        entries += read_ledger_dir(args.ledger_dir)
+    assignments = read_sample_logs(args.sample_logs) if args.sample_logs else None
+    report = check_run(run, entries, assignments)
+    if args.json:
+        print(json.dumps({"through_step": report.through_step, "checked": report.checked, **report.counts()}))
+    else:
+        print(format_report(report))
+    return 0 if report.ok else 1
+
+
 def add_export_parser(sub) -> None:
     p = sub.add_parser("export", help="merge stage checkpoints into one state_dict of the unsplit model")
     p.add_argument("--checkpoint-dir", required=True, help="the peers' --checkpoint-dir")

@@ -38,6 +38,8 @@ class PeerStatus:
     first_seen: float = field(default_factory=time.monotonic)
     info_failures: int = 0
     fingerprint: tuple[float, float] = (0.0, 0.0)
+    epoch: int = 0  # accumulator epoch: gradients it held under an older one are gone
+    note: str = ""  # why it is not serving yet, as it says
 
     @property
     def peer_id(self) -> str:
@@ -186,6 +188,8 @@ class SwarmView:
         status.accumulating_step = int(info.accumulating_step)
         status.samples_accumulated = int(info.samples_accumulated)
         status.fingerprint = (info.params_sum, info.params_abs)
+        status.epoch = int(info.epoch)
+        status.note = info.note
         status.load.reported_queue = float(info.queue_length)
         # Info is fresher than the DHT record; a peer that moved waits for its new record.
         status.record_state = _state_of(info.state) if info.stage == status.stage else PeerState.OFFLINE

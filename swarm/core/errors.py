@@ -39,6 +39,17 @@ class StepNotReady(NotServing):
     """Exact mode: the request is for a step this peer has not reached within the wait."""
 
 
+class StepClosed(SwarmError):
+    """A backward for an update this peer has frozen (its stage is agreeing on it and averaging):
+    ABORTED. The trainer retries soon; the update may be unfrozen, or the request turn out to be a
+    duplicate."""
+
+
+class LateContribution(RequestInvalid):
+    """A backward for an update this stage already applied without it (it cannot be applied exactly
+    once any more): INVALID_ARGUMENT, and the ledger shows it lost."""
+
+
 class Overloaded(SwarmError):
     """The peer's queue or a per-client bound is full: RESOURCE_EXHAUSTED, retry later or elsewhere."""
 

@@ -24,9 +24,6 @@ class PeerConfig:
     announce_period_s: float = setting(2.0, "seconds between DHT record refreshes")
     record_ttl_s: float = setting(8.0, "seconds a DHT record lives without refresh")
     step_poll_s: float = setting(0.05, "seconds between checks whether the stage's pending update is due", cli=False)
-    partial_step_timeout_s: float = setting(
-        30.0, "apply what the stage holds when its count for an update has not grown for this long", cli=False
-    )
     join_timeout_s: float = setting(60.0, "longest wait for the run config on the DHT at start")
     drain_timeout_s: float = setting(10.0, "longest wait for in-flight requests when leaving a stage or stopping")
     state_timeout_s: float = setting(120.0, "longest a state download from a stage-mate may take")
@@ -37,6 +34,12 @@ class PeerConfig:
     checkpoint_dir: str | None = setting(None, "write (one peer per stage) and restore checkpoints of stages here")
     checkpoint_every: int = setting(50, "steps between checkpoints")
     checkpoint_keep: int = setting(3, "checkpoints kept per stage")
+    ledger_dir: str | None = setting(None, "also append this peer's ledger (applied updates and their samples) here")
+    allow_reinit: bool = setting(
+        False,
+        "let a stage that lost every peer and checkpoint start again from its seeded initialization "
+        "(without it the peer waits for a peer with the stage's state or a checkpoint)",
+    )
     averaging: AveragingConfig = field(default_factory=AveragingConfig)
     rebalance: bool = setting(True, "move to the stage that slows the swarm down (--no-rebalance: never move)")
     rebalance_period_s: float = setting(15.0, "seconds between rebalancing checks (+-30% jitter)")

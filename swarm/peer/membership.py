@@ -15,6 +15,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -27,6 +28,7 @@ from swarm.dht.records import PeerEntry
 from swarm.peer.checkpoints import CheckpointWriter, stage_meta
 from swarm.peer.config import PeerConfig
 from swarm.peer.executor import StageExecutor
+from swarm.peer.ledger import StageLedger
 from swarm.peer.records import EventLog, PeerRecords
 from swarm.peer.serving import ServingState
 from swarm.peer.state_transfer import download_state
@@ -42,6 +44,7 @@ from swarm.wire.pool import ClientPool
 logger = logging.getLogger(__name__)
 
 MATES_ANSWER_WAIT_S = 30.0  # on entering: how long to wait for listed mates to answer Info
+NO_STATE_RETRY_S = 5.0  # a peer of a stage with no state looks for a source this often
 STATE_SOURCES_TRIED = 3  # mates tried per state download round
 
 
@@ -84,6 +87,7 @@ class Membership:
         self.lock = asyncio.Lock()  # held by each update, and by a move for its whole length
         self.last_placement = time.monotonic()  # when this peer last joined or moved
         self.rng = random.Random()
+        self.fallbacks: dict[str, int] = {}  # kind -> count: what this peer did that is not the normal path
 
     # ---- what collaborators read ----
 
@@ -105,6 +109,19 @@ class Membership:
 
     def live_mates(self) -> list[PeerStatus]:
         return self.view.stage_peers(self.stage)
+
+    def event(self, kind: str, **fields: object) -> None:
+        """An event of this peer's stage (a fallback, a stall): logged, counted and published."""
+        self.fallbacks[kind] = self.fallbacks.get(kind, 0) + 1
+        self.serving.fallbacks = dict(self.fallbacks)
+        self.events.add(kind, stage=self.stage, **fields)
+
+    def _ledger_path(self, stage: int) -> Path | None:
+        if not self.cfg.ledger_dir:
+            return None
+        folder = Path(self.cfg.ledger_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder / f"stage{stage}-{self.peer_id[-12:]}.jsonl"
 
     def may_move(self) -> bool:
         """Online, and not just joined or moved."""
@@ -150,6 +167,7 @@ class Membership:
             max_batch_samples=max(run.max_batch, run.microbatch),
             predict_params=run.sync == SyncMode.ASYNC and run.predict_params,
             prior_samples=max(1, run.global_batch // 4),
+            ledger=StageLedger(stage, self._ledger_path(stage)),
         )
         rt = self.runtime = StageRuntime(stage, built, executor)
         self.serving.stage, self.serving.schema, self.serving.executor = stage, built.schema, executor
@@ -166,7 +184,7 @@ class Membership:
         # one averager per process, created on this (main) thread: see swarm.training.averaging
         rt.averager = StageAverager(self.dht.dht, run.run_id, stage, executor.params, cfg.averaging)
         rt.stepper = StepCoordinator(
-            executor, rt.averager, self, run.global_batch, cfg.partial_step_timeout_s, self._after_update
+            executor, rt.averager, self, self.clients, run.run_id, run.global_batch, self._after_update
         )
         self.serving.throughput = await loop.run_in_executor(
             None, measure_throughput, executor, built.schema, run.model, run.microbatch, cfg.use_benchmark_cache
@@ -249,16 +267,52 @@ class Membership:
                 await asyncio.sleep(1.0)
                 await self.view.poll_info({rt.stage})
             logger.warning("could not download the stage's state from any mate")
-        if not mates and rt.checkpoints is not None:
-            loop = asyncio.get_running_loop()
-            meta = stage_meta(self.run, rt.stage)
-            found = await loop.run_in_executor(None, rt.checkpoints.store.load_latest, rt.executor.module, meta)
-            if found is not None:
-                state, ckpt = found
-                await asyncio.wrap_future(rt.executor.call(lambda: rt.executor.load_state_dict(state)))
-                logger.info("restored stage %d from checkpoint %s (step %d)", rt.stage, ckpt.path, ckpt.step)
-                return
+        if not mates and await self._restore_checkpoint(rt):
+            return
+        if not mates and not self.cfg.allow_reinit and await self._run_has_progressed():
+            await self._wait_for_state(rt)
+            return
+        if not mates and self.cfg.allow_reinit and await self._run_has_progressed():
+            logger.warning("stage %d has no state left anywhere: starting it again from its initialization", rt.stage)
+            self.event("reinit")
+            return
         logger.info("stage %d starts from its seeded initialization", rt.stage)
+
+    async def _restore_checkpoint(self, rt: StageRuntime) -> bool:
+        if rt.checkpoints is None:
+            return False
+        loop = asyncio.get_running_loop()
+        meta = stage_meta(self.run, rt.stage)
+        found = await loop.run_in_executor(None, rt.checkpoints.store.load_latest, rt.executor.module, meta)
+        if found is None:
+            return False
+        state, ckpt = found
+        await asyncio.wrap_future(rt.executor.call(lambda: rt.executor.load_state_dict(state)))
+        logger.info("restored stage %d from checkpoint %s (step %d)", rt.stage, ckpt.path, ckpt.step)
+        return True
+
+    async def _run_has_progressed(self) -> bool:
+        """Some stage has applied updates: a stage starting from scratch now would not be the run's."""
+        records = await asyncio.get_running_loop().run_in_executor(None, self.read_records)
+        return any(e.record.step > 0 for entries in records.values() for e in entries)
+
+    async def _wait_for_state(self, rt: StageRuntime) -> None:
+        """No live mate and no checkpoint, but the run has progressed: the stage has "no state". Wait
+        for a peer with the stage's state or a checkpoint (never re-initialize silently)."""
+        note = f"no state: stage {rt.stage} lost every peer and checkpoint; waiting for a peer with its state"
+        logger.error("%s (or restart peers with --allow-reinit to start the stage again from scratch)", note)
+        self.serving.note = note
+        self.event("no_state")
+        while True:
+            await asyncio.sleep(NO_STATE_RETRY_S)
+            await self.refresh_view()
+            mates = await self._reachable_mates(0.0)
+            if mates and await self.sync_from_mates():
+                break
+            if await self._restore_checkpoint(rt):
+                break
+        self.serving.note = ""
+        logger.info("stage %d has its state again (step %d)", rt.stage, rt.executor.step)
 
     async def sync_from_mates(self, preferred: PeerStatus | None = None) -> bool:
         """Download the state of `preferred`, else of the most advanced live mate (trying up to three);

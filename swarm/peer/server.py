@@ -22,10 +22,12 @@ from swarm.core.errors import (
     Overloaded,
     RequestInvalid,
     RequestTooLarge,
+    StepClosed,
     StepNotReady,
     SwarmError,
     WrongTarget,
 )
+from swarm.peer.agreement import contributions_response, ledger_chunks
 from swarm.peer.executor import StageExecutor
 from swarm.peer.partials import partial_chunks
 from swarm.peer.requests import check_grad_output, decode_targets
@@ -50,6 +52,7 @@ STATUS_OF_ERROR: dict[type[BaseException], grpc.StatusCode] = {
     RequestInvalid: grpc.StatusCode.INVALID_ARGUMENT,
     WrongTarget: grpc.StatusCode.FAILED_PRECONDITION,
     NotServing: grpc.StatusCode.UNAVAILABLE,
+    StepClosed: grpc.StatusCode.ABORTED,
 }
 
 
@@ -86,11 +89,16 @@ class StageService:
                 out = result.output
             else:
                 grad = None if schema.is_last else check_grad_output(grad, n)
-                rid = f"{msg.request_id}#{index}" if acc["streamed"] else msg.request_id
-                result = await asyncio.wrap_future(executor.backward(x, grad, t, rid, int(msg.step)))
+                key = msg.contribution_id or msg.request_id
+                key = f"{key}#{index}" if acc["streamed"] else key
+                future = executor.backward(x, grad, t, key, int(msg.step), int(msg.samples_digest))
+                result = await asyncio.wrap_future(future)
                 out = result.grad_input
                 acc["accumulated_step"] = max(acc.get("accumulated_step", 0), result.accumulated_step)
                 acc["duplicate"] = acc.get("duplicate", True) and result.duplicate
+                acc["epoch"] = result.epoch
+                if result.holder is not None:
+                    acc["holder"] = result.holder
             if result.loss is not None:
                 acc["loss_sum"] = acc.get("loss_sum", 0.0) + float(result.loss.double().sum())
             acc["samples"] = acc.get("samples", 0) + n
@@ -124,6 +132,11 @@ class StageService:
         if kind == "backward":
             response.accumulated_step = acc.get("accumulated_step", 0)
             response.duplicate = acc.get("duplicate", False)
+            response.epoch = acc.get("epoch", 0)
+            holder = acc.get("holder")
+            if holder is not None:
+                response.holder = holder.peer_id or self.serving.peer_id
+                response.holder_epoch = holder.epoch
         if first is not None:
             field = response.output if kind == "forward" else response.grad_input
             field.dtype, field.codec, field.block_size = first.dtype, first.codec, first.block_size
@@ -230,6 +243,19 @@ class StageService:
         async for chunk in self._blob(pb.PartialRequest, raw, context, chunks):
             yield chunk
 
+    async def get_contributions(self, raw: bytes, context) -> bytes:
+        try:
+            request = messages.parse(pb.ContributionsRequest, raw)
+            executor, _ = self.serving.check_target(request.run_id, request.stage)
+            held = await asyncio.wrap_future(executor.call(lambda: executor.contributions(int(request.step))))
+            return contributions_response(self.serving.peer_id, held).SerializeToString()
+        except Exception as e:  # noqa: BLE001 - every error becomes a status
+            await context.abort(*status_of(e))
+
+    async def get_ledger(self, raw: bytes, context) -> AsyncIterator[bytes]:
+        async for chunk in self._blob(pb.LedgerRequest, raw, context, ledger_chunks):
+            yield chunk
+
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(
             SERVICE,
@@ -241,6 +267,8 @@ class StageService:
                 "BackwardStream": grpc.stream_stream_rpc_method_handler(self.backward_stream),
                 "GetState": grpc.unary_stream_rpc_method_handler(self.get_state),
                 "GetPartialGradient": grpc.unary_stream_rpc_method_handler(self.get_partial_gradient),
+                "GetContributions": grpc.unary_unary_rpc_method_handler(self.get_contributions),
+                "GetLedger": grpc.unary_stream_rpc_method_handler(self.get_ledger),
             },
         )
 

@@ -4,6 +4,7 @@ parts when it moves; `info()` is the Info answer."""
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 
@@ -36,6 +37,8 @@ class ServingState:
         # exact mode: a request for step t is computed only once this peer has applied step t - 1
         self.exact = False
         self.step_wait_s = 20.0
+        self.note = ""  # why this peer is not serving yet, for status and dashboards (e.g. no state)
+        self.fallbacks: dict[str, int] = {}  # kind -> count of the fallbacks its stage took
 
     def check_target(self, run_id: str, stage: int) -> tuple[StageExecutor, StageSchema]:
         """The executor and schema to serve a request for (run_id, stage) with, or a typed error:
@@ -73,4 +76,8 @@ class ServingState:
             params_abs=fp_abs,
             compute_seconds=0.0 if counters is None else counters.compute_seconds,
             samples_predicted=0 if ex is None else ex.lookahead.counters.predicted_samples,
+            epoch=0 if ex is None else ex.acc.epoch,
+            ledger_steps=0 if ex is None else len(ex.ledger),
+            fallbacks=json.dumps(self.fallbacks, separators=(",", ":")),
+            note=self.note,
         )

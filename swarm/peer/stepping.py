@@ -1,18 +1,21 @@
 """When and how the peers of a stage apply an update together.
 
 Trainers tag every microbatch with the step it is meant for and send exactly the global batch per
-step, so a stage's count for a step is exact: the update is applied when the stage-mates together
-hold the global batch ("full"). Then each peer freezes its accumulator, the stage averages the
-accumulators (hivemind all-reduce, weighted by samples), and every peer applies the same mean
-gradient with the same learning rate and clipping: the peers of a stage stay identical.
+step. When the stage-mates together hold the global batch for the next update (their Info counts),
+each peer freezes its accumulator and the stage agrees on what the update holds
+(swarm.peer.agreement): every contribution of the step exactly once. Then the stage averages the
+accumulators (hivemind all-reduce, weighted by samples), every peer applies the same mean gradient
+with the same learning rate and clipping, and records the update in its ledger. If the agreement
+finds the stage not ready (a contribution held twice, a mate missing, not yet frozen), the peers
+unfreeze and wait: nothing is ever applied with fewer or more samples than the step's.
 
-Fallbacks keep the run going:
-- "behind": a mate already applied this update without this peer (it missed the averaging group,
-  or was paused): download the state from that mate, carry this peer's own gradient into the next
-  update (or drop it if it is more than one step stale), and go on;
-- "partial": the stage total is stuck below the global batch for `partial_step_timeout_s` seconds
-  (a trainer died mid-step): apply what the stage has;
-- alone in its stage, a peer applies its own mean gradient.
+Other reasons to act:
+- behind: a mate already applied this update without this peer (it missed the round, or was
+  paused): download that mate's state; the gradients this peer held for it are in the downloaded
+  update, else dropped and replayed by the trainers (swarm.peer.executor.compute.load_state_dict);
+- diverged: same step, different parameters than the stage's reference peer: download its state.
+A stage whose count stays below the global batch waits (a dead trainer's restart completes its
+microbatches); it says so in its log and events, it never steps with what it has.
 """
 
 from __future__ import annotations
@@ -25,14 +28,19 @@ from typing import Protocol
 
 from swarm.cluster.view import PeerStatus
 from swarm.core.log import set_context
-from swarm.core.states import CarryOutcome, PeerState, UpdateReason
+from swarm.core.states import PeerState, UpdateReason
+from swarm.peer.agreement import Agreement, agree, fetch_contributions
 from swarm.peer.executor import Accumulated, StageExecutor
-from swarm.training.averaging import AveragingFailed, StageAverager, local_mean
+from swarm.training.averaging import AveragingFailed, StageAverager
+from swarm.wire.pool import ClientPool
 
 logger = logging.getLogger(__name__)
 
-MAX_AVERAGING_ATTEMPTS = 5
 FINGERPRINT_TOLERANCE = 1e-9  # relative; rounding noise is orders of magnitude smaller, divergence larger
+AGREE_WAIT_S = 3.0  # how long a frozen peer waits for its mates to freeze the same update
+AGREE_POLL_S = 0.05
+CONTRIBUTIONS_TIMEOUT_S = 5.0
+STALL_REPORT_S = 30.0  # a stage short of its global batch for this long says so (log and event)
 
 
 def fingerprints_agree(a: tuple[float, float], b: tuple[float, float], tol: float = FINGERPRINT_TOLERANCE) -> bool:
@@ -47,11 +55,16 @@ class StageMates(Protocol):
     @property
     def peer_id(self) -> str: ...
 
+    @property
+    def stage(self) -> int: ...
+
     def live_mates(self) -> list[PeerStatus]: ...
 
     async def sync_from_mates(self, preferred: PeerStatus | None = None) -> bool: ...
 
     async def refresh_view(self) -> None: ...
+
+    def event(self, kind: str, **fields: object) -> None: ...
 
 
 class StepCoordinator:
@@ -60,23 +73,24 @@ class StepCoordinator:
         executor: StageExecutor,
         averager: StageAverager | None,
         mates: StageMates,
+        clients: ClientPool,
+        run_id: str,
         global_batch: int,
-        partial_step_timeout_s: float,
         after_update: Callable[[int], None] | None = None,
     ) -> None:
-        self.executor = executor
-        self.averager = averager
-        self.mates = mates
+        self.executor, self.averager, self.mates, self.clients = executor, averager, mates, clients
+        self.run_id, self.global_batch, self.after_update = run_id, global_batch, after_update
         self.peer_id = mates.peer_id
         self.resyncs = 0
         self.last_averaging_s = 0.0
-        self.global_batch = global_batch
-        self.partial_step_timeout_s = partial_step_timeout_s
-        self.after_update = after_update
+        self.failed_rounds = 0
         self._last_total: tuple[int, int] = (-1, -1)
         self._last_change = time.monotonic()
+        self._stall_reported = False
 
-    def diverged_from(self):
+    # ---- deciding ----
+
+    def diverged_from(self) -> PeerStatus | None:
         """The stage's reference peer (smallest id at this step) if this peer's parameters differ."""
         step, total, absolute = self.executor.fingerprint
         same = [
@@ -95,32 +109,38 @@ class StepCoordinator:
         """Why to act now, or None to keep accumulating."""
         ex = self.executor
         mates = self.mates.live_mates()
-        acc_step = ex.step  # the next update to apply; mates report their samples for theirs
-        total = ex.samples_accumulated + sum(m.samples_accumulated for m in mates if m.step == acc_step)
-        if any(m.step > ex.step for m in mates):
+        step = ex.step  # the next update to apply; mates report their samples for theirs
+        total = ex.samples_accumulated + sum(m.samples_accumulated for m in mates if m.step == step)
+        if any(m.step > step for m in mates):
             return UpdateReason.BEHIND
         if self.diverged_from() is not None:
             return UpdateReason.DIVERGED
         if total >= self.global_batch:
             return UpdateReason.FULL
-        now = time.monotonic()
-        if (acc_step, total) != self._last_total:
-            self._last_total, self._last_change = (acc_step, total), now
-        elif total > 0 and now - self._last_change > self.partial_step_timeout_s:
-            logger.warning(
-                "stage holds %d of %d samples for step %d and none came for %.0f s: stepping with what it has",
-                total,
-                self.global_batch,
-                acc_step,
-                self.partial_step_timeout_s,
-            )
-            return UpdateReason.PARTIAL
+        self._watch_stall(step, total)
         return None
+
+    def _watch_stall(self, step: int, total: int) -> None:
+        now = time.monotonic()
+        if (step, total) != self._last_total:
+            self._last_total, self._last_change, self._stall_reported = (step, total), now, False
+        elif total > 0 and now - self._last_change > STALL_REPORT_S and not self._stall_reported:
+            self._stall_reported = True
+            logger.warning(
+                "stage holds %d of %d samples for step %d and none came for %.0f s: waiting for the rest "
+                "(a dead trainer's restart completes its microbatches)",
+                total, self.global_batch, step, STALL_REPORT_S,
+            )  # fmt: skip
+            self.mates.event("stalled", step=step, samples=total, of=self.global_batch)
+
+    # ---- acting ----
 
     async def run_update(self, reason: UpdateReason) -> None:
         ex = self.executor
         if reason == UpdateReason.BEHIND:
-            await self._catch_up(None)
+            if not await self.mates.sync_from_mates():
+                logger.warning("behind the stage at step %d, and no mate's state could be downloaded yet", ex.step)
+            set_context(step=ex.step)
             return
         if reason == UpdateReason.DIVERGED:
             reference = self.diverged_from()
@@ -132,80 +152,97 @@ class StepCoordinator:
                     self.resyncs += 1
             return
         frozen: Accumulated = await asyncio.wrap_future(ex.call(ex.take_accumulated))
-        averaged = await self._average(frozen)
-        if averaged is None:
-            await self._catch_up(frozen)  # the mates averaged without this peer
+        agreement = await self._agree(frozen)
+        if agreement is None or not await self._settle(agreement):
             return
-        mean, members = averaged
-        norm = await asyncio.wrap_future(ex.call(lambda: ex.apply_mean_gradient(mean, frozen.step, members)))
+        averaged = await self._average(frozen, agreement)
+        if averaged is None:
+            await asyncio.wrap_future(ex.call(ex.unfreeze))
+            return
+        members = agreement.members
+        norm = await asyncio.wrap_future(
+            ex.call(lambda: ex.apply_mean_gradient(averaged, frozen.step, members, agreement.union))
+        )
         set_context(step=ex.step)
         logger.info(
-            "applied update %d: %d samples here, averaged over %d peer(s) in %.2f s (%s; grad norm %.3f)",
-            frozen.step, frozen.samples, len(members), self.last_averaging_s if len(members) > 1 else 0.0, reason, norm,
+            "applied update %d: %d samples here, %d in all, averaged over %d peer(s) in %.2f s (grad norm %.3f)",
+            frozen.step, frozen.samples, agreement.samples, len(members),
+            self.last_averaging_s if len(members) > 1 else 0.0, norm,
         )  # fmt: skip
         if self.after_update is not None:
             self.after_update(ex.step)
 
-    async def _average(self, frozen: Accumulated) -> tuple[list, tuple[str, ...]] | None:
-        """(mean gradient, the peers whose gradients it holds) for the frozen update, from an
-        all-reduce with the live mates (this peer's own when alone); None when the mates already
-        applied it without this peer."""
-        loop = asyncio.get_running_loop()
-        for attempt in range(1, MAX_AVERAGING_ATTEMPTS + 1):
-            mates = [m for m in self.mates.live_mates() if m.record_state.serving]
-            if any(m.step > frozen.step for m in mates):
-                return None
-            if not mates or self.averager is None:
-                break
-            try:
-                avg = await loop.run_in_executor(
-                    None, self.averager.average, frozen.grads, frozen.samples, frozen.step, [m.peer_id for m in mates]
-                )
-            except AveragingFailed as e:
-                if attempt == MAX_AVERAGING_ATTEMPTS:
-                    logger.error("%s; %d attempts failed, applying this peer's own gradient", e, attempt)
-                    break
-                logger.warning("%s; retrying", e)
-                await self.mates.refresh_view()  # the members may have disagreed on who is in the stage
-                continue
-            self.executor.counters.averaging_rounds += 1
-            self.last_averaging_s = avg.seconds
-            return avg.mean, avg.members
-        return local_mean(frozen.grads, frozen.samples), (self.peer_id,)
-
-    async def _catch_up(self, frozen: Accumulated | None) -> None:
-        """Load the state of an up-to-date mate; keep this peer's gradient if it is one step stale."""
+    async def _agree(self, frozen: Accumulated) -> Agreement | None:
+        """The frozen lists of this peer and its live mates for the frozen update (waiting briefly
+        for mates that have not frozen it yet); None when a mate already applied it."""
         ex = self.executor
-        if frozen is None:
-            frozen = await asyncio.wrap_future(ex.call(ex.take_accumulated))
-        if not await self.mates.sync_from_mates():
-            # nobody to copy from after all: apply what this peer has and go on
-            own = local_mean(frozen.grads, frozen.samples)
-            norm = await asyncio.wrap_future(ex.call(lambda: ex.apply_mean_gradient(own, frozen.step, (self.peer_id,))))
-            logger.warning("could not reach an up-to-date mate; applied own update %d (norm %.3f)", frozen.step, norm)
-            return
+        deadline = time.monotonic() + AGREE_WAIT_S
+        while True:
+            own = await asyncio.wrap_future(ex.call(lambda: ex.contributions(frozen.step)))
+            lists = {self.peer_id: own}
+            for mate, snap in zip(*await self._mates_lists(frozen.step), strict=True):
+                if snap is not None:
+                    if snap.applied_step > frozen.step:
+                        await asyncio.wrap_future(ex.call(ex.unfreeze))
+                        return None  # the mates applied it without this peer: "behind" next time
+                    lists[mate.peer_id] = snap
+            agreement = agree(frozen.step, lists)
+            if not agreement.not_frozen or time.monotonic() > deadline:
+                return agreement
+            await asyncio.sleep(AGREE_POLL_S)
 
-        def carry_over() -> CarryOutcome:
-            if ex.last_update[0] == frozen.step and self.peer_id in ex.last_update[1]:
-                # the mate's round completed with this peer's gradient although this peer's did not
-                # (hivemind: one side received every part, the other not): it is in the update already
-                return CarryOutcome.INCLUDED
-            if frozen.samples and ex.step - frozen.step <= 1:
-                ex.add_to_accumulator(frozen, ex.step)
-                return CarryOutcome.CARRIED
-            ex.counters.samples_discarded += frozen.samples
-            return CarryOutcome.DROPPED
+    async def _mates_lists(self, step: int):
+        mates = [m for m in self.mates.live_mates() if m.record_state.serving]
 
-        outcome = await asyncio.wrap_future(ex.call(carry_over))
-        set_context(step=ex.step)
-        if outcome == CarryOutcome.INCLUDED:
-            logger.info("the downloaded update %d already holds this peer's %d samples", frozen.step, frozen.samples)
-        elif outcome == CarryOutcome.DROPPED and frozen.samples:
+        async def one(m: PeerStatus):
+            client = self.clients.get(m.load.address)
+            try:
+                return await fetch_contributions(client, self.run_id, self.mates.stage, step, CONTRIBUTIONS_TIMEOUT_S)
+            except Exception as e:  # noqa: BLE001 - an unreachable mate takes no part in this round
+                logger.info("mate %s did not say what it holds for update %d: %s", m.peer_id[-6:], step, e)
+                return None
+
+        return mates, await asyncio.gather(*(one(m) for m in mates))
+
+    async def _settle(self, agreement: Agreement) -> bool:
+        """True if the update can be averaged now; else unfreeze (and drop, if this peer lost a
+        duplicate) so that the trainers' requests and replays come in again."""
+        ex = self.executor
+        if agreement.ready(self.global_batch):
+            return True
+        elsewhere = agreement.must_drop(self.peer_id)
+        if elsewhere is not None:
+            dropped = await asyncio.wrap_future(ex.call(lambda: ex.drop_unapplied(elsewhere)))
             logger.warning(
-                "dropped %d samples of step %d: the stage is %d steps ahead",
-                frozen.samples,
-                frozen.step,
-                ex.step - frozen.step,
+                "update %d: %d contribution(s) held by a mate too; dropped this peer's %d unapplied samples "
+                "for the trainers to replay (the mates keep the duplicates)",
+                agreement.step, len(elsewhere), dropped,
+            )  # fmt: skip
+            self.mates.event("duplicate_dropped", step=agreement.step, duplicates=len(elsewhere), samples=dropped)
+            return False
+        await asyncio.wrap_future(ex.call(ex.unfreeze))
+        if agreement.duplicates or agreement.samples > self.global_batch:
+            logger.info("update %d: a mate holds a duplicate and drops it; waiting for the replays", agreement.step)
+        return False
+
+    async def _average(self, frozen: Accumulated, agreement: Agreement) -> list | None:
+        """The mean gradient over the agreed members, or None if the all-reduce failed (the caller
+        unfreezes and the stage tries again: never applied with a part of the stage's gradients)."""
+        members = [p for p, _ in agreement.members]
+        if len(members) == 1 or self.averager is None:
+            return [g / max(1, agreement.samples) for g in frozen.grads]
+        loop = asyncio.get_running_loop()
+        mates = [p for p in members if p != self.peer_id]
+        try:
+            avg = await loop.run_in_executor(
+                None, self.averager.average, frozen.grads, frozen.samples, frozen.step, mates
             )
-        elif outcome == CarryOutcome.CARRIED:
-            logger.info("carried %d samples of step %d into step %d", frozen.samples, frozen.step, ex.step)
+        except AveragingFailed as e:
+            self.failed_rounds += 1
+            logger.warning("%s; the stage tries again", e)
+            self.mates.event("averaging_failed", step=frozen.step, members=len(members))
+            await self.mates.refresh_view()  # the members may have disagreed on who is in the stage
+            return None
+        self.executor.counters.averaging_rounds += 1
+        self.last_averaging_s = avg.seconds
+        return avg.mean

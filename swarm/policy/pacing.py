@@ -46,9 +46,9 @@ class StepPacer:
         """Samples this trainer has started for steps after `global_step`."""
         return max(0, (self.next_tag - global_step) * self.share - self.tag_left)
 
-    def take(self, global_step: int, microbatch: int, target: int) -> tuple[int, int] | None:
-        """(step tag, samples) of the next microbatch, or None while the bound holds the trainer
-        back or every step before `target` is fed."""
+    def take(self, global_step: int, microbatch: int, target: int) -> tuple[int, int, int] | None:
+        """(step tag, offset in this trainer's share of that step, samples) of the next microbatch,
+        or None while the bound holds the trainer back or every step before `target` is fed."""
         g = global_step
         if self.next_tag < g or self.next_tag > g + math.ceil(self.staleness) + 1:
             # the swarm moved past steps this trainer did not feed, or a stage was restored from an
@@ -64,8 +64,8 @@ class StepPacer:
                 return None
         for old in [t for t in self.done_samples if t < g - 1]:
             del self.done_samples[old]
-        tag = self.next_tag
+        tag, offset = self.next_tag, self.share - self.tag_left
         self.tag_left -= n
         if self.tag_left == 0:
             self.next_tag, self.tag_left = self.next_tag + 1, self.share
-        return tag, n
+        return tag, offset, n

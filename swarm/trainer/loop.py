@@ -18,7 +18,6 @@ import math
 import random
 import sys
 import time
-import uuid
 
 import torch
 
@@ -28,6 +27,7 @@ from swarm.core.errors import ConfigError
 from swarm.core.log import set_context
 from swarm.core.procs import SUMMARY_PREFIX
 from swarm.dht.node import SwarmDHT
+from swarm.policy.ledger import contribution_id, samples_digest
 from swarm.policy.pacing import StepPacer
 from swarm.policy.wiring import Wiring
 from swarm.trainer.config import TrainerConfig
@@ -56,10 +56,11 @@ class Trainer:
         self.stats = Stats()
         self.reporter = Reporter(self.stats, cfg.trainer_index, cfg.steps, cfg.json_progress)
         self.clients = ClientPool(stream_threshold=cfg.stream_threshold_kb << 10)
-        self.trainer_id = f"t{cfg.trainer_index}-{uuid.uuid4().hex[:8]}"
+        # stable across restarts: a restarted trainer's microbatches have the same contribution ids
+        self.trainer_id = f"t{cfg.trainer_index}"
         self.in_flight = 0
         self.progress = asyncio.Event()
-        self._mb_ids = itertools.count()
+        self._calls = itertools.count()  # forward request ids
         self._retry: collections.deque[Microbatch] = collections.deque()
         self._sample_log = None
         self._background: list[asyncio.Task] = []
@@ -85,16 +86,17 @@ class Trainer:
             raise ConfigError(f"global batch {run.global_batch} is smaller than the number of trainers {num_trainers}")
         staleness, ahead_after = (0.0, 0.0) if run.exact else (float(run.max_staleness), float(run.ahead_after))
         self.pacer = StepPacer(share, staleness, ahead_after)
+        self.share = share
         self.codec = codec_from_name(run.codec)
         data_cfg = run.data if isinstance(run.data, DataConfig) else DataConfig(**run.data)
         self.dataset = await loop.run_in_executor(None, load_dataset, data_cfg, run.model)
-        self.sampler = iter(ShardSampler(self.dataset.num_train, cfg.trainer_index, num_trainers, data_cfg.seed))
+        self.sampler = ShardSampler(self.dataset.num_train, cfg.trainer_index, num_trainers, data_cfg.seed)
         if cfg.sample_log:
             self._sample_log = open(cfg.sample_log.replace("{trainer}", str(cfg.trainer_index)), "a")  # noqa: SIM115
         self.view = SwarmView(self.dht, run.num_stages, self.clients)
         self.view.start()
         self.router = Router(cfg, self.view, self.clients, Wiring(self.rng), self.stats, run.num_stages)
-        self.replayer = Replayer(self.view, self.router, self.stats, self.progress)
+        self.replayer = Replayer(self.view, self.router, self.clients, run.run_id, self.stats, self.progress)
         self._background.append(asyncio.create_task(self.replayer.run()))
 
     async def close(self) -> None:
@@ -128,7 +130,7 @@ class Trainer:
     # ---- one microbatch ----
 
     def _request_id(self, mb: Microbatch, stage: int, kind: str) -> str:
-        return f"{self.trainer_id}:{mb.mb_id}:{stage}:{kind}"
+        return f"{mb.cid}:{stage}:{kind}:{next(self._calls)}"
 
     async def _forward(self, mb: Microbatch) -> list[WireTensor | None]:
         """Stage inputs 0..S-1, as they travel (encoded: the trainer relays them without decoding)."""
@@ -154,7 +156,7 @@ class Trainer:
         for k in reversed(range(run.num_stages)):
             req = pb.BackwardRequest(
                 request_id=self._request_id(mb, k, "b"), run_id=run.run_id, stage=k, step=mb.step_tag,
-                reply_codec=self.codec, num_samples=mb.samples,
+                reply_codec=self.codec, num_samples=mb.samples, contribution_id=mb.cid, samples_digest=mb.digest,
             )  # fmt: skip
             tensors = {"input": inputs[k]}
             if k == run.num_stages - 1:
@@ -168,7 +170,7 @@ class Trainer:
             )  # fmt: skip
             if k == run.num_stages - 1:
                 self.stats.losses_by_step[int(msg.peer_step)].append((float(msg.loss), mb.samples))
-            self.replayer.hold(mb, k, peer.peer_id, int(msg.accumulated_step), req, tensors)
+            self.replayer.hold(mb, k, msg, peer.peer_id, req, tensors)
             inputs[k] = None  # the held record keeps what a replay needs
         mb.done = True
 
@@ -180,12 +182,14 @@ class Trainer:
         taken = self.pacer.take(global_step or 0, self.run.microbatch, self.cfg.steps)
         if taken is None:
             return None
-        tag, n = taken
-        indices = [next(self.sampler) for _ in range(n)]
+        tag, offset, n = taken
+        # the samples follow from the microbatch's place in this trainer's stream: the same after a
+        # restart, so that a restarted trainer completes exactly what it had started
+        indices = self.sampler.take(tag * self.share + offset, n)
         x, y = self.dataset.train(indices)
-        mb = Microbatch(next(self._mb_ids), indices, x, y, tag)
+        mb = Microbatch(contribution_id(self.trainer_id, tag, offset), indices, x, y, tag, samples_digest(indices))
         if self._sample_log is not None:
-            self._sample_log.write(json.dumps({"mb": mb.mb_id, "step": mb.step_tag, "indices": indices}) + "\n")
+            self._sample_log.write(json.dumps({"cid": mb.cid, "step": tag, "indices": indices}) + "\n")
             self._sample_log.flush()
         return mb
 
@@ -203,15 +207,15 @@ class Trainer:
         except MicrobatchRejected as e:
             self.stats.microbatches_rejected += 1
             self.pacer.done(mb.step_tag, mb.samples)  # given up: waiting for it would stall the pacing
-            logger.error("microbatch %d dropped: %s", mb.mb_id, e)
+            logger.error("microbatch %s dropped: %s", mb.cid, e)
             if self.run.exact:
                 raise
             return False
         except MicrobatchFailed as e:
             # failed before any gradient was accumulated: run the same samples again, same step
             self.stats.microbatches_requeued += 1
-            logger.warning("microbatch %d failed (%s); its samples are queued again", mb.mb_id, e)
-            self._retry.append(Microbatch(next(self._mb_ids), mb.indices, mb.inputs, mb.targets, mb.step_tag))
+            logger.warning("microbatch %s failed (%s); it is queued again", mb.cid, e)
+            self._retry.append(Microbatch(mb.cid, mb.indices, mb.inputs, mb.targets, mb.step_tag, mb.digest))
             return False
         finally:
             self.in_flight -= 1

@@ -13,11 +13,12 @@ from swarm.wire.tensors import WireTensor
 
 @dataclass
 class Microbatch:
-    mb_id: int
+    cid: str  # its contribution id, TRAINER/STEP/OFFSET (swarm.policy.ledger): the same in every retry
     indices: list[int]
     inputs: torch.Tensor
     targets: torch.Tensor
     step_tag: int
+    digest: int  # of its sample indices
     done: bool = False
     held: set[int] = field(default_factory=set)  # stages whose gradient is not yet applied
 
@@ -28,11 +29,14 @@ class Microbatch:
 
 @dataclass
 class HeldBackward:
-    """A stage's Backward, kept until the peer that accumulated it has applied that update."""
+    """A stage's Backward, kept until the stage's ledger shows it in an applied update. `holder` and
+    `epoch`: the peer that holds its gradient and that peer's accumulator epoch (if either changes
+    before the update is applied, the gradient is gone and the record is replayed)."""
 
     mb: Microbatch
     stage: int
-    peer_id: str
+    holder: str
+    epoch: int
     accumulated_step: int
     request: pb.BackwardRequest
     tensors: dict[str, WireTensor]

@@ -1,51 +1,60 @@
-"""Holding and replaying gradients: a stage's Backward is held by the trainer until the peer that
-accumulated it has applied that update; if the peer dies, moves or stops answering first, the record
-is replayed on a stage-mate, so that no sample's gradient is silently lost."""
+"""Holding and replaying gradients: a stage's Backward is held by the trainer until the stage's ledger
+(GetLedger) shows the microbatch in an applied update. If the peer that holds its gradient dies,
+moves, stops answering or drops its unapplied gradients (its accumulator epoch changes) first, the
+record is replayed on a stage-mate with the same contribution id, so that each sample's gradient
+enters each stage exactly once: never lost, never counted twice (a peer that already holds it says
+so, and where)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 
+from swarm.cluster.ledger import fetch_ledger
 from swarm.cluster.view import SwarmView
 from swarm.trainer.microbatch import HeldBackward, Microbatch
 from swarm.trainer.report import Stats
 from swarm.trainer.router import MicrobatchFailed, MicrobatchRejected, Router, StageUnavailable
+from swarm.wire.pool import ClientPool
 from swarm.wire.protocol import pb
-from swarm.wire.tensors import WireTensor
 
 logger = logging.getLogger(__name__)
 
 REPLAY_CHECK_S = 0.2
+LEDGER_CHECK_S = 0.5
+LEDGER_TIMEOUT_S = 5.0
 
 
 class Replayer:
-    def __init__(self, view: SwarmView, router: Router, stats: Stats, progress: asyncio.Event) -> None:
-        self.view, self.router, self.stats, self.progress = view, router, stats, progress
+    def __init__(
+        self, view: SwarmView, router: Router, clients: ClientPool, run_id: str, stats: Stats, progress: asyncio.Event
+    ) -> None:
+        self.view, self.router, self.clients, self.run_id = view, router, clients, run_id
+        self.stats, self.progress = stats, progress
         self.held: list[HeldBackward] = []
 
-    def hold(
-        self,
-        mb: Microbatch,
-        stage: int,
-        peer_id: str,
-        accumulated_step: int,
-        request: pb.BackwardRequest,
-        tensors: dict[str, WireTensor],
-    ) -> None:
+    def hold(self, mb: Microbatch, stage: int, response: pb.BackwardResponse, peer_id: str, request, tensors) -> None:
+        """Keep a stage's Backward; its gradient is held by the peer that answered, or, for a
+        duplicate, by the peer that answer names."""
         mb.held.add(stage)
-        self.held.append(HeldBackward(mb, stage, peer_id, accumulated_step, request, tensors))
+        self.held.append(
+            HeldBackward(mb, stage, *_holder(response, peer_id), int(response.accumulated_step), request, tensors)
+        )
 
     def forget(self, mb: Microbatch) -> None:
         """Drop the records of a microbatch that did not finish (it runs again, or was given up)."""
         self.held = [r for r in self.held if r.mb is not mb]
 
-    def release_applied(self) -> None:
-        """Drop the records whose peer has applied the update they went into."""
+    async def release_applied(self) -> None:
+        """Drop the records that the stage's ledger shows in an applied update."""
+        stages = sorted({r.stage for r in self.held})
+        applied: set[tuple[int, str]] = set()
+        for stage in stages:
+            from_step = min(r.accumulated_step for r in self.held if r.stage == stage)
+            applied |= {(stage, cid) for cid in await self._applied_ids(stage, from_step)}
         keep = []
         for rec in self.held:
-            status = self.view.peers.get(rec.peer_id)
-            if status is not None and status.stage == rec.stage and status.step > rec.accumulated_step:
+            if (rec.stage, rec.mb.cid) in applied:
                 rec.mb.held.discard(rec.stage)
             else:
                 keep.append(rec)
@@ -53,35 +62,65 @@ class Replayer:
             self.held = keep
             self.progress.set()
 
+    async def _applied_ids(self, stage: int, from_step: int) -> set[str]:
+        """Contribution ids in the stage's applied updates from `from_step` on, from a live peer
+        that has applied at least that update (empty when none has)."""
+        peers = [p for p in self.view.stage_peers(stage) if p.last_info_ok and p.step > from_step]
+        for peer in sorted(peers, key=lambda p: -p.step)[:2]:
+            client = self.clients.get(peer.load.address)
+            try:
+                entries = await fetch_ledger(client, self.run_id, stage, from_step, LEDGER_TIMEOUT_S)
+            except Exception as e:  # noqa: BLE001 - try another peer, or the next round
+                logger.debug("ledger of stage %d from %s: %s", stage, peer.peer_id[-6:], e)
+                continue
+            return {cid for e in entries for cid in e.contributions}
+        return set()
+
     def lost(self, rec: HeldBackward) -> bool:
-        """Gone, unreachable, or moved to another stage before applying this gradient."""
-        status = self.view.peers.get(rec.peer_id)
-        return status is None or status.stage != rec.stage or not self.view.is_live(status)
+        """The gradient's holder is gone, unreachable, moved to another stage, or dropped it."""
+        status = self.view.peers.get(rec.holder)
+        if status is None or status.stage != rec.stage or not self.view.is_live(status):
+            return True
+        return status.last_info_ok > 0 and status.epoch != rec.epoch
 
     async def replay(self, rec: HeldBackward) -> None:
         rec.replays += 1
-        rec.request.request_id = f"{rec.request.request_id}:r{rec.replays}"
+        status = self.view.peers.get(rec.holder)
+        exclude = {rec.holder} if status is None or not self.view.is_live(status) else set()
         try:
             response, _, peer = await self.router.call(
-                rec.stage, rec.request, rec.tensors, rec.mb.samples, "backward", exclude={rec.peer_id}
+                rec.stage, rec.request, rec.tensors, rec.mb.samples, "backward", exclude=exclude
             )
         except (StageUnavailable, MicrobatchFailed, MicrobatchRejected) as e:
-            logger.warning("replay of microbatch %d on stage %d failed: %s", rec.mb.mb_id, rec.stage, e)
+            logger.warning("replay of %s on stage %d failed: %s", rec.mb.cid, rec.stage, e)
             rec.replays -= 1
             return
-        rec.peer_id = peer.peer_id
+        rec.holder, rec.epoch = _holder(response, peer.peer_id)
         rec.accumulated_step = int(response.accumulated_step)
         self.stats.replays += 1
-        logger.info("replayed microbatch %d's gradient on stage %d peer %s", rec.mb.mb_id, rec.stage, peer.peer_id[-6:])
+        where = "already held by " if response.duplicate else "on "
+        logger.info("replayed %s's gradient on stage %d: %s%s", rec.mb.cid, rec.stage, where, rec.holder[-6:])
 
     async def run(self) -> None:
         replaying: set[int] = set()
+        loop = asyncio.get_running_loop()
+        last_ledger = 0.0
         while True:
             await asyncio.sleep(REPLAY_CHECK_S)
-            self.release_applied()
+            if loop.time() - last_ledger >= LEDGER_CHECK_S:
+                last_ledger = loop.time()
+                await self.release_applied()
             for rec in list(self.held):
                 if id(rec) in replaying or not self.lost(rec):
                     continue
                 replaying.add(id(rec))
                 task = asyncio.create_task(self.replay(rec))
                 task.add_done_callback(lambda _t, key=id(rec): replaying.discard(key))
+
+
+def _holder(response: pb.BackwardResponse, peer_id: str) -> tuple[str, int]:
+    """(holder, its epoch) of a Backward's gradient: the answering peer's, or for a duplicate the
+    peer the answer names."""
+    if response.duplicate and response.holder:
+        return response.holder, int(response.holder_epoch)
+    return peer_id, int(response.epoch)

@@ -5,12 +5,15 @@ What a peer's gRPC status means to the trainer:
 - INVALID_ARGUMENT, RESOURCE_EXHAUSTED: the request itself was refused; another peer would refuse
   it too (`MicrobatchRejected`).
 - FAILED_PRECONDITION: the peer serves another stage or run now (it moved): choose another, no ban.
+- ABORTED: the stage is agreeing on (and averaging) the update this backward is for: try again in a
+  moment (the update may be unfrozen, or the request turn out to be a duplicate), no ban.
 - anything else (UNAVAILABLE: down, leaving its stage, shutting down; DEADLINE_EXCEEDED): ban the
   peer with a growing back-off and retry on another one.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -28,6 +31,8 @@ logger = logging.getLogger(__name__)
 
 REJECTED = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED})
 MOVED = frozenset({grpc.StatusCode.FAILED_PRECONDITION})
+RETRY_SOON = frozenset({grpc.StatusCode.ABORTED})  # the stage is averaging that update: try again shortly
+RETRY_SOON_S = 0.1
 NO_RETRY_CAP = None
 
 
@@ -75,9 +80,12 @@ class Router:
                 raise StageUnavailable(f"stage {stage} has had no usable peer for {self.cfg.stage_wait_s:.0f} s")
             await self.view.wait_changed(0.5)
 
-    def _on_error(self, stage: int, peer: PeerLoad, e: grpc.aio.AioRpcError) -> None:
+    def _on_error(self, stage: int, peer: PeerLoad, e: grpc.aio.AioRpcError) -> bool:
+        """Account for a failed call; True if it should be retried without counting it as a failure."""
         code = e.code()
         self.stats.failed_calls_by_code[code.name] += 1
+        if code in RETRY_SOON:
+            return True
         if code in REJECTED:
             raise MicrobatchRejected(f"stage {stage} peer {peer.peer_id[-6:]} rejected the request: {e.details()}")
         self.stats.failed_calls += 1
@@ -87,13 +95,14 @@ class Router:
             status = self.view.peers.get(peer.peer_id)
             if status is not None:
                 status.record_state = PeerState.OFFLINE
-            return
+            return False
         ban = self.wiring.on_failure(peer, time.monotonic())
         self.stats.failed_peers.add(peer.peer_id)
         logger.warning(
             "stage %d peer %s failed (%s: %s); banned for %.0f s, retrying on another peer",
             stage, peer.peer_id[-6:], code.name, (e.details() or "")[:120], ban,
         )  # fmt: skip
+        return False
 
     def _measure(self, peer: PeerLoad, kind: str, stage: int, samples: int, elapsed: float) -> None:
         """End-to-end throughput, network included (only from calls made when nothing else of this
@@ -132,7 +141,9 @@ class Router:
             try:
                 response, output = await self.clients.get(peer.address).call(kind, request, tensors, timeout)
             except grpc.aio.AioRpcError as e:
-                self._on_error(stage, peer, e)
+                if self._on_error(stage, peer, e):
+                    await asyncio.sleep(RETRY_SOON_S)
+                    continue
                 exclude.add(peer.peer_id)
                 attempts += 1
                 self.stats.retries += 1

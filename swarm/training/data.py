@@ -196,6 +196,8 @@ class ShardSampler:
         if num_items < count:
             raise ValueError(f"{num_items} samples cannot be shared among {count} trainers")
         self.num_items, self.index, self.count, self.seed = num_items, index, count, seed
+        self._epoch_len = len(range(index, num_items, count))
+        self._cached: tuple[int, list[int]] | None = None
 
     def epoch(self, epoch: int) -> list[int]:
         perm = torch.randperm(self.num_items, generator=torch.Generator().manual_seed(self.seed * 10_007 + epoch))
@@ -206,6 +208,18 @@ class ShardSampler:
         while True:
             yield from self.epoch(epoch)
             epoch += 1
+
+    def take(self, position: int, n: int) -> list[int]:
+        """The shard's samples at positions position .. position+n-1 (epoch after epoch): a
+        microbatch's samples follow from its place in the trainer's stream, so a restarted trainer
+        (or a replay) finds the same ones."""
+        out: list[int] = []
+        while len(out) < n:
+            epoch, start = divmod(position + len(out), self._epoch_len)
+            if self._cached is None or self._cached[0] != epoch:
+                self._cached = (epoch, self.epoch(epoch))
+            out.extend(self._cached[1][start : start + n - len(out)])
+        return out
 
 
 def val_indices(dataset: Dataset, num_samples: int) -> list[int]:

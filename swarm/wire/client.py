@@ -45,6 +45,12 @@ class StageClient:
         }
         self._get_state = self.channel.unary_stream("/swarm.Stage/GetState", request_serializer=ser)
         self._get_partial = self.channel.unary_stream("/swarm.Stage/GetPartialGradient", request_serializer=ser)
+        self._get_contributions = self.channel.unary_unary(
+            "/swarm.Stage/GetContributions",
+            request_serializer=ser,
+            response_deserializer=pb.ContributionsResponse.FromString,
+        )
+        self._get_ledger = self.channel.unary_stream("/swarm.Stage/GetLedger", request_serializer=ser)
 
     async def info(self, timeout: float) -> pb.InfoResponse:
         return await self._info(pb.InfoRequest(), timeout=timeout)
@@ -70,6 +76,12 @@ class StageClient:
 
     def get_partial_gradient(self, request: pb.PartialRequest, timeout: float) -> AsyncIterator[bytes]:
         return self._get_partial(request, timeout=timeout)
+
+    async def get_contributions(self, request: pb.ContributionsRequest, timeout: float) -> pb.ContributionsResponse:
+        return await self._get_contributions(request, timeout=timeout)
+
+    def get_ledger(self, request: pb.LedgerRequest, timeout: float) -> AsyncIterator[bytes]:
+        return self._get_ledger(request, timeout=timeout)
 
     async def close(self) -> None:
         await self.channel.close(grace=None)

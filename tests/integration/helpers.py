@@ -126,3 +126,20 @@ def write_tokens(path, n: int = 60_000, vocab: int = 256, seed: int = 0):
     tokens[noise] = rng.integers(0, vocab, size=int(noise.sum()))
     tokens.astype(np.uint16).tofile(path)
     return tokens.astype(np.int64)
+
+
+def ledger_report(swarm, sample_logs: str | None = None):
+    """The ledger check of a live local swarm (swarm.ledger), against the trainers' sample logs."""
+    from swarm.ledger import check_run, collect, read_sample_logs
+
+    run, entries = asyncio.run(collect(swarm.run_id, swarm.initial_peers))
+    return check_run(run, entries, read_sample_logs([sample_logs]) if sample_logs else None)
+
+
+def assert_ledger_exact(swarm, sample_logs: str | None = None):
+    """Every sample the trainers assigned entered every stage exactly once, in its step's update."""
+    from swarm.policy.ledger import format_report
+
+    report = ledger_report(swarm, sample_logs)
+    assert report.ok and report.checked > 0, format_report(report)
+    return report

@@ -23,6 +23,7 @@ KEYS = (
 )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_bench_pipeline_quick_json(tmp_path):
     proc = subprocess.run(

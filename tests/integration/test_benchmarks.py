@@ -32,6 +32,7 @@ def positive(value) -> bool:
     return isinstance(value, float | int) and math.isfinite(value) and value > 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_bench_wire_quick():
     out = run_script("bench_wire.py", "--mib", "2")
@@ -40,6 +41,7 @@ def test_bench_wire_quick():
     assert out["p99_small_ms"] >= out["p50_small_ms"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_bench_codec_quick():
     out = run_script("bench_codec.py")
@@ -52,6 +54,7 @@ def test_bench_codec_quick():
         assert sizes["int8"][direction] < 0.3 * sizes["none"][direction], (direction, sizes)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_bench_overheads_quick():
     out = run_script("bench_overheads.py")
@@ -73,6 +76,7 @@ def run_staleness_effect(*args: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])["val_loss"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_staleness_effect_modes_differ_only_when_running_ahead():
     same = run_staleness_effect("--steps", "3", "--run-ahead", "0")

@@ -14,22 +14,12 @@ from pathlib import Path
 import pytest
 from playwright import sync_api  # noqa: E402 - a test dependency (pyproject's test extra)
 
+from swarm.dashboard.browser import CHROMIUM, launch
 from swarm.dashboard.server import DashboardServer
 from swarm.dashboard.synthetic import SyntheticSource
 
 pytestmark = pytest.mark.timeout(90)
 
-CHROMIUM = os.environ.get("SWARM_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 PEERS, STAGES = 200, 4
 
 
@@ -39,7 +29,7 @@ def browser():
         f"no Chromium at {CHROMIUM}: scripts/test.sh installs Debian's (apt-get install chromium)"
     )
     with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        browser = launch(p)
         yield browser
         browser.close()
 

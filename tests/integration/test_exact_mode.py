@@ -4,17 +4,19 @@ The oracle below is plain torch: the unsplit model, AdamW, the warmup+cosine sch
 clipping written out here, fed the samples the trainers logged for each step.
 """
 
+import glob
 import json
 import math
+import signal
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from swarm.training.models import GPT, GPTConfig
-from tests.integration.helpers import TINY_GPT, fetch_state, write_tokens
+from tests.integration.helpers import TINY_GPT, assert_ledger_exact, fetch_state, start_training, write_tokens
 
-STEPS, B, MB, LR, WARMUP, CLIP, WD = 5, 16, 4, 1e-2, 2, 0.5, 0.01
+STEPS, B, MB, LR, WARMUP, CLIP, WD = 80, 16, 4, 1e-2, 2, 0.5, 0.01
 STAGE_PREFIXES = [("tok_emb", "pos_emb", "blocks.0."), ("blocks.1.",), ("blocks.2.", "ln_f", "head")]
 
 
@@ -48,65 +50,84 @@ def oracle(tokens: torch.Tensor, batches: dict[int, list[int]]) -> dict[str, tor
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.timeout(400)
-def test_exact_mode_equals_single_process_training(make_swarm, tmp_path):
-    tokens = torch.from_numpy(write_tokens(tmp_path / "train.bin"))
-    run = [
-        "--model",
-        json.dumps(TINY_GPT),
-        "--dataset",
-        "tokens",
-        "--data-path",
-        str(tmp_path / "train.bin"),
-        "--codec",
-        "none",
-        "--sync",
-        "exact",
-        "--global-batch",
-        str(B),
-        "--microbatch",
-        str(MB),
-        "--lr",
-        str(LR),
-        "--warmup-steps",
-        str(WARMUP),
-        "--total-steps",
-        str(STEPS),
-        "--clip-norm",
-        str(CLIP),
-        "--weight-decay",
-        str(WD),
-    ]
-    log = str(tmp_path / "samples-{trainer}.jsonl")
-    swarm = make_swarm(stages=3, peers_per_stage=2, trainers=2, steps=STEPS, run_args=run)
-    swarm.start()
-    swarm.opts.trainer_args = ["--sample-log", log, "--val-samples", "0"]
-    swarm.start_trainers()
-    summaries = swarm.wait_trainers(timeout=300)
-    assert all(s["steps"] == STEPS for s in summaries)
-    batches: dict[int, list[int]] = {}
-    for j in range(2):
-        with open(log.replace("{trainer}", str(j))) as f:
+def run_options(tmp_path) -> list[str]:
+    return [
+        "--model", json.dumps(TINY_GPT), "--dataset", "tokens", "--data-path", str(tmp_path / "train.bin"),
+        "--codec", "none", "--sync", "exact", "--global-batch", str(B), "--microbatch", str(MB), "--lr", str(LR),
+        "--warmup-steps", str(WARMUP), "--total-steps", str(STEPS), "--clip-norm", str(CLIP),
+        "--weight-decay", str(WD),
+    ]  # fmt: skip
+
+
+def logged_batches(pattern: str) -> dict[int, list[int]]:
+    """Each step's samples, from the trainers' sample logs (a contribution logged twice, by a
+    restarted trainer, counts once)."""
+    seen: dict[str, tuple[int, list[int]]] = {}
+    for path in sorted(glob.glob(pattern)):
+        with open(path) as f:
             for line in f:
                 rec = json.loads(line)
-                batches.setdefault(rec["step"], []).extend(rec["indices"])
-    assert sorted(batches) == list(range(STEPS))
+                seen[rec["cid"]] = (rec["step"], rec["indices"])
+    batches: dict[int, list[int]] = {}
+    for step, indices in seen.values():
+        batches.setdefault(step, []).extend(indices)
+    return batches
+
+
+def assert_equals_oracle(swarm, tokens: torch.Tensor, batches: dict[int, list[int]]) -> None:
+    """Every live peer's parameters equal the oracle's within 1e-4 relative."""
     expected = oracle(tokens, batches)
-    compared, errors = 0, []
-    for peer in swarm.peers:
+    errors = []
+    live = [p for p in swarm.peers if p.alive()]
+    for peer in live:
         state = fetch_state(peer.ready["address"], swarm.run_id, peer.ready["stage"])
         assert state["step"] == STEPS
         for name, value in state["model"].items():
             ref = expected[name]
             rel = ((value - ref).norm() / ref.norm().clamp_min(1e-12)).item()
             worst = ((value - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
-            errors.append((rel, worst, peer.name, name))
-            compared += 1
+            errors.append((max(rel, worst), peer.name, name))
     errors.sort(reverse=True)
-    print("largest relative errors (norm, max):", errors[:2])
-    for rel, worst, peer_name, name in errors:
-        assert rel <= 1e-4 and worst <= 1e-4, f"peer {peer_name} {name}: relative error {rel:.3g}, max {worst:.3g}"
-    assert compared == 2 * len(expected)
+    print("largest relative errors:", errors[:3])
+    assert errors and errors[0][0] <= 1e-4, f"peer {errors[0][1]} {errors[0][2]}: relative error {errors[0][0]:.3g}"
+    assert {p.ready["stage"] for p in live} == {0, 1, 2}
     init = GPT(GPTConfig(**{k: v for k, v in TINY_GPT.items() if k != "kind"})).state_dict()
-    moved = sum(not torch.allclose(init[k], expected[k]) for k in expected)
-    assert moved >= len(expected) // 2
+    assert sum(not torch.allclose(init[k], expected[k]) for k in expected) >= len(expected) // 2
+
+
+def peer_of(swarm, stage: int):
+    return next(p for p in swarm.peers if p.ready and p.ready["stage"] == stage and p.alive())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_exact_mode_through_faults_equals_single_process_training(make_swarm, tmp_path):
+    """3 stages x 2 peers, 2 trainers, 80 steps; during training a peer is SIGKILLed, one SIGSTOPped
+    and resumed (SIGCONT) after its mate moved on, one SIGTERMed, and a new peer joins: every
+    parameter still equals plain single-process training on the same global batches."""
+    tokens = torch.from_numpy(write_tokens(tmp_path / "train.bin"))
+    swarm = make_swarm(stages=3, peers_per_stage=2, trainers=2, steps=STEPS, run_args=run_options(tmp_path))
+    swarm.start()
+    logs = str(tmp_path / "samples-{trainer}.jsonl")
+    progress = start_training(swarm, STEPS, ["--sample-log", logs, "--val-samples", "0", "--min-deadline", "2"])
+    progress.wait_step(3, timeout=120)
+    killed = peer_of(swarm, 1)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait(timeout=10)
+    joiner = swarm.start_peer(1, wait=False)  # a new peer joins the stage that lost one
+    stopped = peer_of(swarm, 2)
+    stopped.send_signal(signal.SIGSTOP)
+    progress.wait_step(progress.latest() + 3, timeout=120)  # the stage goes on without it
+    stopped.send_signal(signal.SIGCONT)  # it resumes behind its mate and catches up
+    joiner.wait_ready(120)  # it downloaded the stage's state during training
+    progress.wait_step(progress.latest() + 3, timeout=120)
+    terminated = peer_of(swarm, 0)
+    terminated.send_signal(signal.SIGTERM)
+    assert terminated.wait(timeout=60) == 0  # a graceful drain
+    assert progress.latest() < STEPS - 5, "the faults must happen during training"
+    summaries = swarm.wait_trainers(timeout=300)
+    assert all(s["steps"] == STEPS for s in summaries)
+    assert_ledger_exact(swarm, str(tmp_path / "samples-*.jsonl"))
+    batches = logged_batches(str(tmp_path / "samples-*.jsonl"))
+    assert sorted(batches) == list(range(STEPS)) and all(len(b) == B for b in batches.values())
+    assert_equals_oracle(swarm, tokens, batches)

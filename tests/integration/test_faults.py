@@ -1,10 +1,12 @@
-"""Real failures during training: SIGKILL and SIGSTOP of a busy peer. Training goes on."""
+"""Real failures during training: SIGKILL and SIGSTOP (then SIGCONT) of a busy peer. Training goes
+on, and the stages' ledgers show every sample applied exactly once at every stage."""
 
 import signal
+import time
 
 import pytest
 
-from tests.integration.helpers import info, run_args, start_training, wait_for
+from tests.integration.helpers import assert_ledger_exact, info, run_args, start_training, wait_for
 
 
 def busiest_peer(swarm, stage: int):
@@ -13,54 +15,61 @@ def busiest_peer(swarm, stage: int):
     return max(peers, key=lambda p: info(p.ready["address"]).samples_processed)
 
 
-def assert_no_microbatch_lost(summary: dict) -> None:
-    accounted = (
-        summary["microbatches_completed"]
-        + summary["microbatches_requeued"]
-        + summary["microbatches_rejected"]
-        + summary["microbatches_cancelled"]
-    )
-    assert summary["microbatches_started"] == accounted, summary
-    assert summary["microbatches_rejected"] == 0
-
-
+@pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_sigkill_of_a_busy_peer_costs_retries_not_the_run(make_swarm):
+def test_sigkill_of_a_busy_peer_costs_retries_not_the_run(make_swarm, tmp_path):
     # every call streamed part by part, so that the streamed path meets a real failure too
     swarm = make_swarm(stages=3, peers_per_stage=2, trainers=1, run_args=run_args())
     swarm.start()
-    progress = start_training(swarm, steps=24, trainer_args=["--stream-threshold-kb", "0"])
+    logs = str(tmp_path / "samples-{trainer}.jsonl")
+    progress = start_training(swarm, 24, ["--stream-threshold-kb", "0", "--sample-log", logs])
     progress.wait_step(6, timeout=120)
     victim = busiest_peer(swarm, stage=1)
     victim.send_signal(signal.SIGKILL)
     victim.wait(timeout=10)
     [summary] = swarm.wait_trainers(timeout=240)
     assert summary["steps"] >= 24
-    assert summary["peer_failures"] >= 1
     assert victim.ready["peer_id"] in summary["failed_peer_ids"]
     assert summary["retries"] >= 1
-    assert_no_microbatch_lost(summary)
     survivor = next(p for p in swarm.peers if p.ready["stage"] == 1 and p is not victim)
     assert info(survivor.ready["address"]).step >= 20  # the stage-mate carried the stage on
+    report = assert_ledger_exact(swarm, str(tmp_path / "samples-*.jsonl"))
+    assert report.through_step >= 20
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_sigstop_of_a_busy_peer_fires_deadlines_and_moves_work(make_swarm):
+def test_sigstop_then_sigcont_the_peer_catches_up(make_swarm, tmp_path):
     swarm = make_swarm(stages=3, peers_per_stage=2, trainers=1, run_args=run_args())
     swarm.start()
-    progress = start_training(swarm, steps=20, trainer_args=["--min-deadline", "2"])
+    logs = str(tmp_path / "samples-{trainer}.jsonl")
+    progress = start_training(swarm, 30, ["--min-deadline", "2", "--sample-log", logs])
     progress.wait_step(5, timeout=120)
     victim = busiest_peer(swarm, stage=1)
     mate = next(p for p in swarm.peers if p.ready["stage"] == 1 and p is not victim)
+    stopped_at = info(victim.ready["address"]).step
     before = info(mate.ready["address"]).samples_processed
     victim.send_signal(signal.SIGSTOP)
-    try:
-        [summary] = swarm.wait_trainers(timeout=240)
-    finally:
-        victim.send_signal(signal.SIGCONT)
-    assert summary["steps"] >= 20
+    # the stage goes on without it: its work moves to the mate, which applies several updates
+    wait_for(lambda: info(mate.ready["address"]).step >= stopped_at + 4, 120, "the stage to go on without it")
+    victim.send_signal(signal.SIGCONT)
+    # resumed, the peer sees its mate ahead, downloads its state and serves again at the stage's step
+    wait_for(
+        lambda: (
+            (v := info(victim.ready["address"])).step >= info(mate.ready["address"]).step - 1
+            and v.state == "online"
+            and v.step > stopped_at
+        ),
+        60,
+        "the resumed peer to catch up",
+    )
+    caught_up = time.monotonic()
+    [summary] = swarm.wait_trainers(timeout=240)
+    assert summary["steps"] >= 30
     assert summary["retries"] >= 1 and summary["failed_calls"] >= 1
     assert victim.ready["peer_id"] in summary["failed_peer_ids"]
     assert info(mate.ready["address"]).samples_processed > before + 16  # its work moved to the stage-mate
-    assert_no_microbatch_lost(summary)
-    wait_for(lambda: victim.alive(), 5, "the stopped peer to still exist")  # it was paused, not killed
+    v, m = info(victim.ready["address"]), info(mate.ready["address"])
+    assert v.step == m.step and (v.params_sum, v.params_abs) == pytest.approx((m.params_sum, m.params_abs), rel=1e-9)
+    assert time.monotonic() - caught_up < 240
+    assert_ledger_exact(swarm, str(tmp_path / "samples-*.jsonl"))

@@ -7,6 +7,7 @@ import pytest
 from tests.integration.helpers import run_args
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_request_into_a_leaving_peer_gets_unavailable_and_no_sample_is_dropped(make_swarm):
     swarm = make_swarm(stages=2, peers_per_stage=2, trainers=1, steps=16, run_args=run_args())

@@ -23,6 +23,7 @@ SUMMARY_KEYS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_swarm_local_cli_trains_and_reaps_everything(tmp_path):
     argv = [

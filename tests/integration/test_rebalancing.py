@@ -67,6 +67,7 @@ def status_when(swarm, predicate):
     return check
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_peers_move_off_a_crowded_stage_and_recover_after_a_kill(make_swarm):
     swarm = make_swarm(
@@ -127,6 +128,7 @@ def test_peers_move_off_a_crowded_stage_and_recover_after_a_kill(make_swarm):
         assert trainer.alive()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_auto_placed_peers_spread_over_the_stages(make_swarm):
     swarm = make_swarm(stages=3, run_args=run_args(), peer_args=FAST_REBALANCE)

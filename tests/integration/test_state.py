@@ -19,6 +19,7 @@ from tests.integration.helpers import (
 )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_joining_peer_downloads_state_and_matches_its_mates(make_swarm):
     swarm = make_swarm(stages=2, stage_layout=[2, 1], steps=100_000, run_args=run_args(codec="none"))
@@ -50,6 +51,7 @@ def test_joining_peer_downloads_state_and_matches_its_mates(make_swarm):
             assert torch.allclose(other["model"][name], ref, rtol=1e-5, atol=1e-7), name
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_whole_stage_killed_then_restored_from_checkpoint(make_swarm, tmp_path):
     ckpt = tmp_path / "ckpt"
@@ -80,6 +82,7 @@ def test_whole_stage_killed_then_restored_from_checkpoint(make_swarm, tmp_path):
     assert summary["peer_failures"] >= 1
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_export_loads_into_unsplit_model_with_the_reported_val_loss(make_swarm, tmp_path):
     tokens = torch.from_numpy(write_tokens(tmp_path / "train.bin"))

@@ -8,7 +8,7 @@ from swarm.policy.pacing import StepPacer
 def _drain(pacer: StepPacer, global_step: int, microbatch: int = 8, target: int = 100) -> list[tuple[int, int]]:
     taken = []
     while (t := pacer.take(global_step, microbatch, target)) is not None:
-        taken.append(t)
+        taken.append((t[0], t[2]))
     return taken
 
 
@@ -42,8 +42,8 @@ def test_uneven_share_and_target():
 def test_restarts_at_the_global_step_when_the_swarm_moved_on_or_back():
     pacer = StepPacer(share=16, staleness=1)
     _drain(pacer, 0)
-    assert pacer.take(5, 8, 100) == (5, 8)  # steps 2-4 went by without this trainer
-    assert pacer.take(2, 8, 100) == (2, 8)  # a stage restored an older checkpoint: 5 > 2 + 1 + 1
+    assert pacer.take(5, 8, 100) == (5, 0, 8)  # steps 2-4 went by without this trainer
+    assert pacer.take(2, 8, 100) == (2, 0, 8)  # a stage restored an older checkpoint: 5 > 2 + 1 + 1
 
 
 def test_run_ahead_waits_until_half_of_the_pending_step_is_done():
@@ -63,3 +63,9 @@ def test_bad_pacing_is_refused():
         StepPacer(share=32, staleness=1, ahead_after=1.5)
     with pytest.raises(ValueError):
         StepPacer(share=0, staleness=1)
+
+
+def test_offsets_name_each_microbatch_of_a_step():
+    """(tag, offset) names a microbatch: its contribution id and its samples follow from them."""
+    pacer = StepPacer(share=20, staleness=0)
+    assert [pacer.take(0, 8, 100) for _ in range(3)] == [(0, 0, 8), (0, 8, 8), (0, 16, 4)]

@@ -1,12 +1,12 @@
-"""Catching up with a mate's update: a peer's gradient counts once, whether or not it reached the mate."""
-
-import asyncio
+"""Catching up with a mate's update: a peer's held gradients are in it (nothing to do) or are
+dropped for the trainers to replay (its accumulator epoch changes); never carried into a later
+update, never counted twice."""
 
 import pytest
 import torch
 
 from swarm.peer.executor import StageExecutor
-from swarm.peer.stepping import StepCoordinator
+from swarm.policy.ledger import Held
 from swarm.training.config import OptimConfig
 from swarm.training.models import build_stage
 from swarm.training.state import deserialize, serialize
@@ -17,8 +17,7 @@ GPT = {"kind": "gpt", "vocab_size": 64, "seq_len": 8, "d_model": 16, "n_layers":
 @pytest.fixture
 def mates():
     torch.manual_seed(0)
-    stage = build_stage(GPT, 1, 2)
-    a = StageExecutor(stage, OptimConfig())
+    a = StageExecutor(build_stage(GPT, 1, 2), OptimConfig())
     b = StageExecutor(build_stage(GPT, 1, 2), OptimConfig())
     b.module.load_state_dict(a.module.state_dict())
     yield a, b
@@ -26,56 +25,41 @@ def mates():
     b.stop()
 
 
-def _accumulate(ex: StageExecutor, n: int, key: str) -> None:
+def _accumulate(ex: StageExecutor, n: int, cid: str, tag: int = 0) -> None:
     h, y = torch.randn(n, 8, 16), torch.randint(0, 64, (n, 8))
-    ex.backward(h, None, y, key).result(timeout=30)
+    ex.backward(h, None, y, cid, tag, digest=7).result(timeout=30)
 
 
-class _Mates:
-    """The peer's side the step coordinator talks to: no live mates, a state download."""
-
-    def __init__(self, peer_id, download):
-        self.peer_id, self._download = peer_id, download
-
-    def live_mates(self):
-        return []
-
-    async def sync_from_mates(self, preferred=None) -> bool:
-        return await self._download(preferred)
-
-    async def refresh_view(self) -> None:
-        return None
-
-
-def _catch_up(behind: StageExecutor, ahead: StageExecutor) -> None:
-    """`behind` froze its gradient for update 0, its all-reduce failed, and `ahead` applied update 0."""
-
-    async def download(preferred=None) -> bool:
-        state = deserialize(serialize(ahead.call(ahead.state_dict).result(timeout=30)))
-        behind.call(lambda: behind.load_state_dict(state)).result(timeout=30)
-        return True
-
-    coordinator = StepCoordinator(behind, None, _Mates("peer-b", download), 8, 30.0)
-    frozen = behind.call(behind.take_accumulated).result(timeout=30)
-    asyncio.run(coordinator._catch_up(frozen))
+def _download(behind: StageExecutor, ahead: StageExecutor) -> int:
+    state = deserialize(serialize(ahead.call(ahead.state_dict).result(timeout=30)))
+    return behind.call(lambda: behind.load_state_dict(state)).result(timeout=30)
 
 
 @pytest.mark.parametrize("b_in_mates_update", [True, False])
 def test_catch_up_counts_own_gradient_once(mates, b_in_mates_update):
     a, b = mates
-    _accumulate(a, 4, "a0")
-    _accumulate(b, 4, "b0")
-    a_frozen = a.call(a.take_accumulated).result(timeout=30)
-    members = ("peer-a", "peer-b") if b_in_mates_update else ("peer-a",)
-    mean = [g / 4 for g in a_frozen.grads]  # which mean does not matter here: only who is in it
-    a.call(lambda: a.apply_mean_gradient(mean, 0, members)).result(timeout=30)
-
-    _catch_up(b, a)
-
-    assert b.step == 1 and b.last_update == (0, members)
-    assert all(torch.equal(p, q) for p, q in zip(a.params, b.params, strict=True))
+    _accumulate(a, 4, "t0/0/0")
+    _accumulate(b, 4, "t0/0/4")
+    _accumulate(b, 4, "t0/1/0", tag=1)  # run ahead: for the next update
+    frozen_a = a.call(a.take_accumulated).result(timeout=30)
+    b.call(b.take_accumulated).result(timeout=30)  # b froze update 0 too, then missed the round
+    union = {"t0/0/0": Held(4, 7)}
     if b_in_mates_update:
-        # the mate's round completed with b's gradient: carrying it would count those samples twice
-        assert b.samples_accumulated == 0 and b.counters.samples_discarded == 0
+        union["t0/0/4"] = Held(4, 7)  # the mates' round completed with b's gradient
+    mean = [g / 4 for g in frozen_a.grads]
+    a.call(lambda: a.apply_mean_gradient(mean, 0, [("a", 0), ("b", 0)], union)).result(timeout=30)
+
+    epoch = b.acc.epoch
+    dropped = _download(b, a)
+
+    assert b.step == 1 and all(torch.equal(p, q) for p, q in zip(a.params, b.params, strict=True))
+    assert b.ledger.get(0).contributions.keys() == union.keys()  # the ledger came with the state
+    if b_in_mates_update:
+        # its gradient is in the update: kept out of the next one, and its run-ahead gradient stays
+        assert dropped == 0 and b.acc.epoch == epoch and b.samples_accumulated == 4
+        assert b.counters.contributions_included == 1
     else:
-        assert b.samples_accumulated == 4 and b.accumulating_step == 1
+        # not in it: everything unapplied is dropped and the trainers replay it (the epoch says so)
+        assert dropped == 8 and b.acc.epoch == epoch + 1 and b.samples_accumulated == 0
+        assert b.acc.holder_of("t0/0/4") is None  # a replay of it accumulates again
+    assert b.acc.holder_of("t0/0/0") is not None  # applied: a repeat adds nothing

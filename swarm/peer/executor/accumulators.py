@@ -1,9 +1,14 @@
-"""A peer's gradient sums, one per update they are meant for.
+"""A peer's gradient sums, one per update they are meant for, and which contributions each holds.
 
-A microbatch the trainer meant for a later update (async mode runs ahead by up to max_staleness
-steps) waits in its own accumulator, so each update covers exactly the samples meant for it. The
-accumulator of the next update is frozen while the stage averages it; request ids of recent updates
-are remembered so that a retried Backward adds nothing twice. Compute thread only.
+A microbatch the trainer meant for a later update (async mode runs ahead) waits in its own
+accumulator, so each update covers exactly the samples meant for it. Every accumulated request is
+recorded by its contribution id (swarm.policy.ledger: stable across retries, replays and trainer
+restarts): a second copy adds nothing. The accumulator of the next update is frozen while the stage
+agrees on its contents and averages it; it is unfrozen if the stage is not ready after all.
+
+The accumulator epoch changes whenever this peer drops gradients it holds but has not applied (it
+caught up with its mates, or held a contribution a mate also holds): trainers replay whatever they
+sent under an older epoch and do not find in the stage's ledger. Compute thread only.
 
 Gradient convention: the gradient of the SUM over samples of the per-sample loss; an update divides
 by the number of samples it covers.
@@ -11,45 +16,74 @@ by the number of samples it covers.
 
 from __future__ import annotations
 
-import collections
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 
-RECENT_UPDATES_REMEMBERED = 4  # updates whose request ids still count as duplicates
+from swarm.core.errors import LateContribution, StepClosed
+from swarm.policy.ledger import Held, base_id
+
+APPLIED_IDS_REMEMBERED = 1 << 16  # contribution ids of applied updates still recognized as duplicates
 
 
 @dataclass
 class Accumulated:
-    """The gradient of the summed loss over `samples` samples, for update `step`."""
+    """The gradient of the summed loss over `samples` samples, for update `step`, and the
+    contributions (part ids) it holds."""
 
     grads: list[torch.Tensor] | None
     samples: int
     step: int
-    request_ids: set[str] = field(default_factory=set)
+    held: dict[str, Held] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who holds a contribution a request repeats: a peer ("" for this one) at an accumulator epoch."""
+
+    peer_id: str
+    epoch: int
 
 
 class Accumulators:
     def __init__(self, params: list[torch.Tensor]) -> None:
         self.params = params
         self.accumulating_step = 0  # the next update to freeze; gradients for it and later go in
+        self.epoch = 0
         self._open: dict[int, Accumulated] = {}
-        self.frozen: Accumulated | None = None  # taken for averaging, not yet applied
-        self._recent_ids: collections.deque[set[str]] = collections.deque(maxlen=RECENT_UPDATES_REMEMBERED)
+        self.frozen: Accumulated | None = None  # taken for the agreement and averaging, not yet applied
+        self._applied: OrderedDict[str, int] = OrderedDict()  # contribution id -> step of its update
+        # contributions a stage-mate holds (found when the stage agreed on an update): cid -> holder
+        self._elsewhere: dict[str, Holder] = {}
 
-    def is_duplicate(self, request_id: str) -> bool:
-        if not request_id:
-            return False
-        return any(request_id in a.request_ids for a in self._open.values()) or any(
-            request_id in ids for ids in self._recent_ids
-        )
+    # ---- what a request repeats ----
+
+    def holder_of(self, cid: str) -> Holder | None:
+        """Where a contribution already is: this peer (open, frozen or applied), a mate, or nowhere."""
+        if not cid:
+            return None
+        if cid in self._applied or base_id(cid) in self._applied:
+            return Holder("", self.epoch)
+        if self.frozen is not None and cid in self.frozen.held:
+            return Holder("", self.epoch)
+        if any(cid in a.held for a in self._open.values()):
+            return Holder("", self.epoch)
+        return self._elsewhere.get(cid)
 
     def target_step(self, tag: int) -> int:
-        """The update a microbatch tagged `tag` goes into: its tag, or the open one if that is later
-        (the stage already froze or applied the update it was meant for)."""
-        return max(tag, self.accumulating_step)
+        """The update a backward tagged `tag` goes into: its own. One for an update this peer froze
+        (the stage is agreeing on it) or applied, and that it does not hold, is refused: in the first
+        case the trainer retries soon (the update may be unfrozen), in the second it is late."""
+        if tag >= self.accumulating_step:
+            return tag
+        if self.frozen is not None and self.frozen.step == tag:
+            raise StepClosed(f"update {tag} is being averaged here; retry")
+        raise LateContribution(f"update {tag} is already applied here, without this contribution")
 
-    def add(self, step: int, grads: list[torch.Tensor | None], samples: int, request_ids: list[str]) -> None:
+    # ---- accumulating ----
+
+    def add(self, step: int, grads: list[torch.Tensor | None], held: dict[str, Held]) -> None:
         acc = self._open.get(step)
         if acc is None:
             acc = self._open[step] = Accumulated(None, 0, step)
@@ -58,8 +92,8 @@ class Accumulators:
         for buf, g in zip(acc.grads, grads, strict=True):
             if g is not None:
                 buf.add_(g)
-        acc.samples += samples
-        acc.request_ids.update(r for r in request_ids if r)
+        acc.samples += sum(h.samples for h in held.values())
+        acc.held.update(held)
 
     def pending(self, step: int) -> Accumulated | None:
         """The gradients for update `step`, frozen for averaging or still open."""
@@ -74,30 +108,47 @@ class Accumulators:
         """The open accumulator of `step` (tests and the look-ahead read it)."""
         return self._open.get(step)
 
+    # ---- freezing, unfreezing, dropping ----
+
     def freeze(self) -> Accumulated:
-        """Freeze the accumulator of `accumulating_step`; new gradients go into the next update."""
+        """Freeze the accumulator of `accumulating_step` for the stage's agreement and averaging."""
         frozen = self._open.pop(self.accumulating_step, None) or Accumulated(None, 0, self.accumulating_step)
         if frozen.grads is None:
             frozen.grads = [torch.zeros_like(p) for p in self.params]
-        self._recent_ids.append(frozen.request_ids)
         self.accumulating_step += 1
         self.frozen = frozen
         return frozen
 
-    def carry(self, frozen: Accumulated, step: int) -> None:
-        """Add a frozen gradient to the open accumulator of `step`."""
-        acc = self._open.get(step)
-        if acc is None:
-            acc = self._open[step] = Accumulated(None, 0, step)
-        if acc.grads is None:
-            acc.grads = [g.clone() for g in frozen.grads]
-        else:
-            for buf, g in zip(acc.grads, frozen.grads, strict=True):
-                buf.add_(g)
-        acc.samples += frozen.samples
-        acc.request_ids |= frozen.request_ids
-        if self.frozen is frozen:
-            self.frozen = None
+    def unfreeze(self) -> None:
+        """The stage was not ready to apply the frozen update: it takes requests again."""
+        frozen, self.frozen = self.frozen, None
+        if frozen is None:
+            return
+        self._open[frozen.step] = frozen  # nothing else came for it meanwhile: requests were refused
+        self.accumulating_step = min(self.accumulating_step, frozen.step)
+
+    def drop_unapplied(self, elsewhere: dict[str, Holder] | None = None) -> int:
+        """Drop every gradient not yet applied and change the epoch: trainers replay what they had
+        sent here. `elsewhere`: contributions a mate holds (a replay of them is a duplicate). Returns
+        the samples dropped."""
+        dropped = sum(a.samples for a in self._open.values()) + (self.frozen.samples if self.frozen else 0)
+        if self.frozen is not None:
+            self.accumulating_step = min(self.accumulating_step, self.frozen.step)
+        self._open, self.frozen = {}, None
+        self.epoch += 1
+        self._elsewhere.update(elsewhere or {})
+        return dropped
+
+    # ---- after an update ----
+
+    def mark_applied(self, step: int, contributions: dict[str, Held] | None = None) -> None:
+        """Update `step` is in the parameters with `contributions` (this peer's and its mates')."""
+        for cid in contributions or ():
+            self._applied[cid] = step
+            self._applied.move_to_end(cid)
+        while len(self._applied) > APPLIED_IDS_REMEMBERED:
+            self._applied.popitem(last=False)
+        self._elsewhere = {c: h for c, h in self._elsewhere.items() if c not in self._applied}
 
     def on_step_changed(self, step: int, drop_stale: bool) -> None:
         """The parameters are now at `step` (an update was applied, or a state loaded): gradients go
@@ -108,3 +159,11 @@ class Accumulators:
             self.frozen = None
         if drop_stale:
             self._open = {s: a for s, a in self._open.items() if s >= step}
+
+    def unapplied_ids(self, below: int) -> dict[str, int]:
+        """Contributions held for updates before `below` (id -> step): what a catch-up must find in
+        the downloaded ledger."""
+        out = {cid: a.step for a in self._open.values() if a.step < below for cid in a.held}
+        if self.frozen is not None and self.frozen.step < below:
+            out.update({cid: self.frozen.step for cid in self.frozen.held})
+        return out

@@ -1,5 +1,6 @@
 """The compute side of a peer: one thread that owns the stage's module, batches concurrent requests,
-accumulates gradients (swarm.peer.executor.accumulators) and applies optimizer steps.
+accumulates gradients (swarm.peer.executor.accumulators) and applies optimizer steps
+(swarm.peer.executor.updates).
 
 All access to parameters, gradient accumulators and the optimizer happens on this one thread, so a
 step never races a backward. The gRPC side submits work and awaits the returned futures; `call`
@@ -15,20 +16,22 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import torch
 
 from swarm.core.checks import all_finite
 from swarm.core.errors import ExecutorStopped, NonFiniteResult, RequestInvalid, SwarmError
-from swarm.peer.executor.accumulators import Accumulated, Accumulators
+from swarm.peer.executor.accumulators import Accumulators
 from swarm.peer.executor.lookahead import LookAhead
 from swarm.peer.executor.tasks import BACKWARD, CALL, EVAL, FORWARD, BackwardResult, ForwardResult, Task, take_batch
+from swarm.peer.executor.updates import ExecutorCounters, StageUpdates
+from swarm.peer.ledger import StageLedger
+from swarm.policy.ledger import Held
 from swarm.training.config import OptimConfig
 from swarm.training.models import BuiltStage
-from swarm.training.optim import apply_update, build_optimizer
-from swarm.training.state import clone_tensors, parameter_fingerprint
+from swarm.training.optim import build_optimizer
 
 logger = logging.getLogger(__name__)
 
@@ -36,15 +39,7 @@ logger = logging.getLogger(__name__)
 _REQUEST_FAULTS = (ValueError, RuntimeError, IndexError, TypeError)
 
 
-@dataclass
-class ExecutorCounters:
-    samples_processed: int = 0  # samples back-propagated
-    samples_discarded: int = 0  # own gradients dropped when catching up more than one step
-    averaging_rounds: int = 0
-    compute_seconds: float = 0.0
-
-
-class StageExecutor:
+class StageExecutor(StageUpdates):
     def __init__(
         self,
         built: BuiltStage,
@@ -53,6 +48,7 @@ class StageExecutor:
         max_batch_samples: int = 256,
         predict_params: bool = False,
         prior_samples: int = 8,
+        ledger: StageLedger | None = None,
     ) -> None:
         self.built = built
         self.device = torch.device(device)
@@ -70,9 +66,9 @@ class StageExecutor:
         self.lookahead = LookAhead(self.optimizer, optim, self.params, prior_samples)
         self.counters = ExecutorCounters()
         self.throughput_ema: float | None = None  # samples/s of forward+backward work, measured
-        # (step, peer ids whose gradients it averaged) of the last applied update: travels with the
-        # state so that a peer that downloads it knows whether its own gradient is already in it
-        self.last_update: tuple[int, tuple[str, ...]] = (-1, ())
+        # every applied update and the contributions it holds: travels with the state, so that a
+        # peer that downloads it knows which of its own gradients are already in it
+        self.ledger = ledger or StageLedger(built.stage)
         self.fingerprint = self.compute_fingerprint()  # (step, sum, sum of |p|), replaced whole
 
         self._queue: collections.deque[Task] = collections.deque()
@@ -121,8 +117,11 @@ class StageExecutor:
         targets: torch.Tensor | None,
         request_id: str,
         tag: int = 0,
+        digest: int = 0,
     ) -> concurrent.futures.Future:
-        return self.submit(Task(BACKWARD, inputs, targets, grad_output, request_id, tag))
+        """Accumulate the gradient of (inputs, grad_output or targets) into update `tag`, once per
+        `request_id` (a contribution part id)."""
+        return self.submit(Task(BACKWARD, inputs, targets, grad_output, request_id, tag, digest=digest))
 
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Run `fn` on the compute thread, between batches: safe access to parameters and state."""
@@ -142,7 +141,7 @@ class StageExecutor:
     # ---- compute thread ----
 
     def _is_duplicate(self, task: Task) -> bool:
-        return task.kind == BACKWARD and self.acc.is_duplicate(task.request_id)
+        return task.kind == BACKWARD and self.acc.holder_of(task.request_id) is not None
 
     def _next_batch(self) -> list[Task] | None:
         with self._cv:
@@ -150,7 +149,7 @@ class StageExecutor:
                 self._cv.wait()
             if self._stopped:
                 return None
-            return take_batch(self._queue, self.acc, self.max_batch_samples, self._is_duplicate)
+            return take_batch(self._queue, self.max_batch_samples, self._is_duplicate)
 
     def _loop(self) -> None:
         while True:
@@ -211,7 +210,8 @@ class StageExecutor:
         x = self._cat([t.inputs for t in tasks])
         targets = self._cat([t.targets for t in tasks]) if self.is_last else None
         self.module.train(train)
-        with torch.no_grad(), self._parameters_for(self.acc.target_step(tasks[0].tag) if train else 0):
+        step = max(tasks[0].tag, self.acc.accumulating_step) if train else 0
+        with torch.no_grad(), self._parameters_for(step):
             out = self._call_module(x, targets)
         if not all_finite(out):
             raise NonFiniteResult(f"stage {self.built.stage} produced NaN or infinity in its forward pass")
@@ -255,11 +255,15 @@ class StageExecutor:
 
     def _run_backward(self, tasks: list[Task]) -> None:
         start = time.perf_counter()
-        duplicate = len(tasks) == 1 and self._is_duplicate(tasks[0])
-        target_step = self.acc.target_step(tasks[0].tag)
+        holder = self.acc.holder_of(tasks[0].request_id) if len(tasks) == 1 else None
+        duplicate = holder is not None
+        # a duplicate still returns its input gradient (the trainer's backward goes on to the earlier
+        # stages); a new contribution must be for an update this peer has not frozen or applied
+        target_step = max(tasks[0].tag, self.acc.accumulating_step) if duplicate else self.acc.target_step(tasks[0].tag)
         param_grads, grad_input, losses, n = self._gradients(tasks, target_step, duplicate)
         if not duplicate:
-            self.acc.add(target_step, param_grads, n, [t.request_id for t in tasks])
+            held = {t.request_id or f"anonymous-{id(t)}": Held(t.size, t.digest) for t in tasks}
+            self.acc.add(target_step, param_grads, held)
         grad_input = None if grad_input is None else grad_input.detach().cpu()
         losses = None if losses is None else losses.cpu()
         elapsed = time.perf_counter() - start
@@ -276,87 +280,7 @@ class StageExecutor:
                     target_step,
                     duplicate,
                     share,
+                    self.acc.epoch,
+                    holder,
                 )
             )
-
-    # ---- look-ahead: stage-mates' partial sums (compute thread) ----
-
-    def partial_gradient(self, step: int) -> Accumulated | None:
-        """This peer's own gradient sum for the pending update `step` as one flat bfloat16 tensor
-        (`grads` holds just that), for its stage-mates' look-ahead; None when `step` is not pending
-        here."""
-        if step != self.step:
-            return None
-        acc = self.acc.pending(step)
-        if acc is None or acc.grads is None or acc.samples == 0:
-            return Accumulated(None, 0, step)
-        flat = torch.cat([g.detach().reshape(-1).to(torch.bfloat16) for g in acc.grads]).cpu()
-        return Accumulated([flat], acc.samples, step)
-
-    def set_mate_partial(self, peer_id: str, partial: Accumulated) -> bool:
-        """Keep a stage-mate's gradient sum for the pending update (the caller checked shapes and
-        finiteness); a sum for another step than the pending one is ignored."""
-        return self.lookahead.set_mate_partial(peer_id, partial, self.step)
-
-    # ---- updates and state (call these through `call`, or from the compute thread) ----
-
-    def take_accumulated(self) -> Accumulated:
-        """Freeze the accumulator of the next update; new gradients go into the one after."""
-        return self.acc.freeze()
-
-    def add_to_accumulator(self, frozen: Accumulated, step: int) -> None:
-        """Carry a frozen gradient into the accumulator of `step`."""
-        self.acc.carry(frozen, step)
-
-    def _step_changed(self, drop_stale: bool) -> None:
-        """After the parameters changed to those of `self.step` (an update, or a loaded state)."""
-        self.acc.on_step_changed(self.step, drop_stale)
-        self.lookahead.reset()
-        self.fingerprint = self.compute_fingerprint()
-
-    def apply_mean_gradient(self, mean_grads: list[torch.Tensor], step: int, members: tuple[str, ...] = ()) -> float:
-        """Apply the update for `step` from the mean gradient (already averaged across the stage
-        from the gradients of `members`)."""
-        if step != self.step:
-            raise RuntimeError(f"update for step {step} applied at step {self.step}")
-        for p, g in zip(self.params, mean_grads, strict=True):
-            p.grad = g.to(p.device)
-        norm = apply_update(self.optimizer, self.optim_cfg, step)
-        for p in self.params:
-            p.grad = None
-        self.step = step + 1
-        self.last_update = (step, tuple(members))
-        self._step_changed(drop_stale=False)
-        return norm
-
-    def local_step(self) -> tuple[int, float]:
-        """Freeze and apply an update from this peer's own gradients (no averaging)."""
-        frozen = self.take_accumulated()
-        mean = [g / max(1, frozen.samples) for g in frozen.grads]
-        return frozen.samples, self.apply_mean_gradient(mean, frozen.step)
-
-    def compute_fingerprint(self) -> tuple[int, float, float]:
-        """(step, sum, sum of |p|): replaced as one tuple so that readers on other threads see a
-        consistent (step, values)."""
-        return (self.step, *parameter_fingerprint(self.params))
-
-    def state_dict(self) -> dict:
-        """Parameters, optimizer state and step: what a joining peer downloads."""
-        return {
-            "step": self.step,
-            "model": {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()},
-            "optimizer": clone_tensors(self.optimizer.state_dict()),
-            "last_update": {"step": self.last_update[0], "members": list(self.last_update[1])},
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.step = int(state["step"])
-        last = state.get("last_update")
-        if isinstance(last, dict) and isinstance(last.get("step"), int) and isinstance(last.get("members"), list):
-            self.last_update = (last["step"], tuple(str(m) for m in last["members"]))
-        else:  # a checkpoint or peer from before this field: membership unknown
-            self.last_update = (self.step - 1, ())
-        # gradients computed for updates the loaded state already holds are stale: dropped
-        self._step_changed(drop_stale=True)

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from swarm.peer.executor.accumulators import Accumulators
+from swarm.peer.executor.accumulators import Holder
 
 FORWARD, BACKWARD, EVAL, CALL = "forward", "backward", "eval", "call"
 
@@ -23,8 +23,9 @@ class Task:
     inputs: torch.Tensor | None = None
     targets: torch.Tensor | None = None
     grad_output: torch.Tensor | None = None
-    request_id: str = ""
+    request_id: str = ""  # backward: the contribution (part) id; a second copy adds nothing
     tag: int = 0  # forward and backward: the step the trainer meant this microbatch for
+    digest: int = 0  # backward: the contribution's sample digest, for the ledger
     fn: Callable[[], Any] | None = None
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     enqueued: float = field(default_factory=time.perf_counter)
@@ -33,9 +34,9 @@ class Task:
     def size(self) -> int:
         return 0 if self.inputs is None else int(self.inputs.shape[0])
 
-    def batch_key(self, accumulators: Accumulators) -> tuple:
+    def batch_key(self) -> tuple:
         x, t = self.inputs, self.targets
-        tag = accumulators.target_step(self.tag) if self.kind in (FORWARD, BACKWARD) else 0
+        tag = self.tag if self.kind in (FORWARD, BACKWARD) else 0
         return (self.kind, x.dtype, tuple(x.shape[1:]), None if t is None else tuple(t.shape[1:]), tag)
 
 
@@ -53,22 +54,22 @@ class BackwardResult:
     accumulated_step: int
     duplicate: bool
     compute_s: float
+    epoch: int = 0  # this peer's accumulator epoch
+    holder: Holder | None = None  # a duplicate: who holds the contribution ("" peer id: this peer)
 
 
-def take_batch(
-    queue: collections.deque[Task], acc: Accumulators, max_samples: int, is_duplicate: Callable[[Task], bool]
-) -> list[Task]:
+def take_batch(queue: collections.deque[Task], max_samples: int, is_duplicate: Callable[[Task], bool]) -> list[Task]:
     """Pop the first task and every later one that can share its batch: same kind, shapes and target
     update, within `max_samples`. A function call or a duplicate Backward runs alone."""
     first = queue.popleft()
     if first.kind == CALL or is_duplicate(first):
         return [first]
-    batch, total, key = [first], first.size, first.batch_key(acc)
+    batch, total, key = [first], first.size, first.batch_key()
     keep: list[Task] = []
     while queue and total < max_samples:
         task = queue.popleft()
         fits = total + task.size <= max_samples
-        if task.kind != CALL and fits and task.batch_key(acc) == key and not is_duplicate(task):
+        if task.kind != CALL and fits and task.batch_key() == key and not is_duplicate(task):
             batch.append(task)
             total += task.size
         else:
