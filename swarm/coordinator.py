@@ -32,6 +32,11 @@ class CoordinatorConfig:
     port: int = setting(0, "DHT port (0: any free port)")
     announce_host: str | None = setting(None, "IP address other machines reach the coordinator at")
     maddrs_file: str | None = setting(None, "also write the multiaddrs to join with to this file (for scripts)")
+    initial_peers: list[str] = setting(
+        factory=list,
+        help="multiaddrs of a running swarm, to restart its coordinator (default: start a new DHT)",
+        metavar="MULTIADDR",
+    )
 
 
 async def run_coordinator(run: RunConfig, cfg: CoordinatorConfig) -> int:
@@ -41,9 +46,8 @@ async def run_coordinator(run: RunConfig, cfg: CoordinatorConfig) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     host, announce_host = cfg.host, cfg.announce_host
-    dht = SwarmDHT(
-        run.run_id, [], host=host, port=cfg.port, announce_host=announce_host
-    )  # main thread: see swarm.dht.node
+    # on the main thread, which outlives the DHT process (see swarm.dht.node)
+    dht = SwarmDHT(run.run_id, cfg.initial_peers, host=host, port=cfg.port, announce_host=announce_host)
     set_context(peer=dht.peer_id[-6:])
     announcer = Announcer(
         lambda ttl: dht.publish_config(text, ttl), CONFIG_PERIOD_S, CONFIG_TTL_S, name="config-announcer"

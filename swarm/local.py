@@ -95,7 +95,8 @@ def aggregate(summaries: list[dict], wall_s: float) -> dict:
 
 
 class LocalSwarm:
-    """The processes of a local swarm. Use as a context manager: everything is stopped on exit."""
+    """The processes of a local swarm. Use as a context manager: everything is stopped on exit.
+    Every process ever started (killed and restarted ones too) is remembered and reaped."""
 
     def __init__(self, opts: LocalOptions) -> None:
         self.opts = opts
@@ -105,9 +106,12 @@ class LocalSwarm:
         self.coordinator: ManagedProcess | None = None
         self.peers: list[ManagedProcess] = []
         self.trainers: list[ManagedProcess] = []
+        self.retired: list[ManagedProcess] = []  # replaced trainers and coordinators
         self.initial_peers: list[str] = []
+        self.coordinator_argv: list[str] = []
         self._lock = threading.Lock()
         self._counter = 0
+        self._trainer_on_line = None
 
     # ---- process construction ----
 
@@ -123,40 +127,33 @@ class LocalSwarm:
         logger.debug("started %s (pid %d): %s", name, proc.pid, " ".join(argv))
         return proc
 
-    def start_coordinator(self) -> list[str]:
-        argv = self._cmd(
-            "coordinator",
-            "--run-id",
-            self.run_id,
-            "--stages",
-            str(self.opts.stages),
-            "--host",
-            self.opts.host,
-            "--num-trainers",
-            str(self.opts.trainers),
-            *self.opts.run_args,
-        )
-        self.coordinator = self._spawn("coordinator", argv)
+    def join_addresses(self) -> list[str]:
+        """Multiaddrs a new process joins the DHT through: the coordinator's while it lives, else
+        live peers' (the DHT is everyone's: the swarm goes on without its coordinator)."""
+        coordinator_up = self.coordinator is not None and self.coordinator.alive()
+        peers = [m for p in self.peers if p.alive() and p.ready for m in p.ready.get("dht_maddrs", [])[:1]]
+        return list(self.initial_peers) + peers[:4] if coordinator_up else peers[:4] + list(self.initial_peers)
+
+    def start_coordinator(self, join: list[str] | None = None) -> list[str]:
+        """Start the coordinator (again: `join` are the multiaddrs of a running swarm)."""
+        if not self.coordinator_argv:
+            self.coordinator_argv = self._cmd(
+                "coordinator", "--run-id", self.run_id, "--stages", str(self.opts.stages), "--host", self.opts.host,
+                "--num-trainers", str(self.opts.trainers), *self.opts.run_args,
+            )  # fmt: skip
+        argv = self.coordinator_argv + (["--initial-peers", *join] if join else [])
+        if self.coordinator is not None:
+            self.retired.append(self.coordinator)
+        self.coordinator = self._spawn(f"coordinator{len(self.retired) or ''}", argv)
         ready = self.coordinator.wait_ready(self.opts.startup_timeout_s)
         self.initial_peers = ready["initial_peers"]
         return self.initial_peers
 
     def peer_argv(self, stage: int | str, extra: list[str] | None = None) -> list[str]:
         return self._cmd(
-            "peer",
-            "--run-id",
-            self.run_id,
-            "--initial-peers",
-            *self.initial_peers,
-            "--stage",
-            str(stage),
-            "--host",
-            self.opts.host,
-            "--threads",
-            str(self.opts.threads),
-            *self.opts.peer_args,
-            *(extra or []),
-        )
+            "peer", "--run-id", self.run_id, "--initial-peers", *self.join_addresses(), "--stage", str(stage),
+            "--host", self.opts.host, "--threads", str(self.opts.threads), *self.opts.peer_args, *(extra or []),
+        )  # fmt: skip
 
     def start_peer(self, stage: int | str, extra: list[str] | None = None, wait: bool = True) -> ManagedProcess:
         with self._lock:
@@ -177,30 +174,28 @@ class LocalSwarm:
             proc.wait_ready(self.opts.startup_timeout_s)
         return procs
 
+    def trainer_argv(self, index: int) -> list[str]:
+        return self._cmd(
+            "trainer", "--run-id", self.run_id, "--initial-peers", *self.join_addresses(),
+            "--steps", str(self.opts.steps), "--trainer-index", str(index), "--num-trainers", str(self.opts.trainers),
+            "--threads", str(self.opts.threads), "--host", self.opts.host, "--json-progress", "--no-progress-bar",
+            *self.opts.trainer_args,
+        )  # fmt: skip
+
     def start_trainers(self, on_line=None) -> list[ManagedProcess]:
+        self._trainer_on_line = on_line
         for index in range(self.opts.trainers):
-            argv = self._cmd(
-                "trainer",
-                "--run-id",
-                self.run_id,
-                "--initial-peers",
-                *self.initial_peers,
-                "--steps",
-                str(self.opts.steps),
-                "--trainer-index",
-                str(index),
-                "--num-trainers",
-                str(self.opts.trainers),
-                "--threads",
-                str(self.opts.threads),
-                "--host",
-                self.opts.host,
-                "--json-progress",
-                "--no-progress-bar",
-                *self.opts.trainer_args,
-            )
-            self.trainers.append(self._spawn(f"trainer{index}", argv, on_line=on_line))
+            self.trainers.append(self._spawn(f"trainer{index}", self.trainer_argv(index), on_line=on_line))
         return self.trainers
+
+    def restart_trainer(self, index: int) -> ManagedProcess:
+        """Start trainer `index` again (after it died): the same index, so the same contribution ids
+        and data shard; it completes what it had started."""
+        old = self.trainers[index]
+        self.retired.append(old)
+        name = f"trainer{index}-r{sum(1 for p in self.retired if p.name.startswith(f'trainer{index}'))}"
+        self.trainers[index] = self._spawn(name, self.trainer_argv(index), on_line=self._trainer_on_line)
+        return self.trainers[index]
 
     def start(self) -> None:
         self.start_coordinator()
@@ -221,7 +216,7 @@ class LocalSwarm:
         return summaries
 
     def all_processes(self) -> list[ManagedProcess]:
-        return [p for p in [*self.trainers, *self.peers, self.coordinator] if p is not None]
+        return [p for p in [*self.trainers, *self.peers, self.coordinator, *self.retired] if p is not None]
 
     def stop(self) -> None:
         procs = self.all_processes()

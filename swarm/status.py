@@ -6,7 +6,7 @@ import asyncio
 import json
 import sys
 
-from swarm.cluster.view import SwarmView
+from swarm.cluster.view import SwarmView, fallback_totals
 from swarm.core.states import PeerState
 from swarm.dht.node import SwarmDHT
 from swarm.training.config import RunConfig
@@ -33,19 +33,26 @@ async def collect_status(run_id: str, initial_peers: list[str], max_events: int 
             for s in sorted(view.peers.values(), key=lambda s: s.peer_id):
                 if s.stage != k or s.record_state == PeerState.OFFLINE:
                     continue
-                live = view.is_live(s)
+                # a peer listed as serving that stopped answering is unreachable; a joining one says why it waits
+                unreachable = s.record_state.serving and not view.is_live(s)
                 peers.append(
                     {
                         "id": s.peer_id,
-                        "state": s.record_state.value if live else UNREACHABLE,
+                        "state": UNREACHABLE if unreachable else s.record_state.value,
                         "throughput": round(s.load.throughput, 3),
                         "address": s.load.address,
                         "step": s.step,
                         "queue": int(s.load.reported_queue),
+                        "note": s.note,
+                        "fallbacks": s.fallbacks,
                     }
                 )
             total = sum(p["throughput"] for p in peers if p["state"] == PeerState.ONLINE)
-            stages.append({"index": k, "peers": peers, "throughput": round(total, 3)})
+            notes = sorted({p["note"] for p in peers if p["note"]})
+            fallbacks = fallback_totals(s for s in view.peers.values() if s.stage == k)
+            stages.append(
+                {"index": k, "peers": peers, "throughput": round(total, 3), "notes": notes, "fallbacks": fallbacks}
+            )
         bottleneck = min(stages, key=lambda st: st["throughput"])["index"] if stages else None
         events = []
         for raw in await loop.run_in_executor(None, dht.get_events):
@@ -75,6 +82,11 @@ def print_status(status: dict, out=sys.stdout) -> None:
     for st in status["stages"]:
         mark = "  <- bottleneck" if st["index"] == status["bottleneck"] else ""
         print(f"stage {st['index']}: {len(st['peers'])} peer(s), {st['throughput']:.1f} samples/s{mark}", file=out)
+        for note in st.get("notes", []):
+            print(f"    ! {note}", file=out)
+        if st.get("fallbacks"):
+            taken = ", ".join(f"{kind} x{n}" for kind, n in sorted(st["fallbacks"].items()))
+            print(f"    off the normal path: {taken}", file=out)
         for p in st["peers"]:
             print(
                 f"    {p['id'][-12:]}  {p['state']:<11} {p['throughput']:8.1f} samples/s  step {p['step']:<6} "

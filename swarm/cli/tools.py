@@ -62,6 +62,49 @@ def cmd_local(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_chaos_parser(sub) -> None:
+    from swarm.chaos.config import ChaosOptions
+
+    p = sub.add_parser(
+        "chaos",
+        help="train a local swarm through injected faults, then check every sample applied exactly once",
+        description="A local swarm trains fault-free for --baseline-minutes (the throughput baseline), then "
+        "through --minutes of faults (SIGKILL, SIGSTOP+SIGCONT and SIGTERM of peers, joins, a trainer killed "
+        "and restarted, the coordinator killed), then its ledger is checked against the trainers' logs. "
+        "The last stdout line with --json: faults, steps, samples, lost, duplicated, misplaced, samples_per_s, "
+        "fault_free_samples_per_s, throughput_ratio, val_loss, wall_s. Exit code 1 when the ledger is not exact "
+        "or a process was left behind.",
+    )
+    add_settings(p, ChaosOptions)
+    add_settings(p, LocalOptions, skip=("steps",), defaults={"stages": None, "trainers": 2})
+    p.add_argument("--json", action="store_true", help="print one JSON result as the last stdout line")
+    p.add_argument("--peer-arg", action="append", default=[], help="extra argument for every peer (repeatable)")
+    add_run_options(p)
+    p.set_defaults(func=cmd_chaos)
+
+
+def cmd_chaos(args: argparse.Namespace) -> int:
+    from swarm.chaos.config import ChaosOptions
+    from swarm.chaos.runner import print_result, run_chaos
+
+    setup_logging("chaos", args.log_level or "WARNING")
+    try:
+        chaos = from_args(ChaosOptions, args)
+    except ValueError as e:
+        raise SystemExit(f"swarm chaos: {e}") from None
+    layout = args.stage_layout
+    stages = args.stages or (len(layout) if layout else 3)
+    run_id = args.run_id or f"chaos-{uuid.uuid4().hex[:8]}"
+    run = build_run_config(args, run_id, stages, args.trainers)
+    local = from_args(
+        LocalOptions, args, stages=stages, run_id=run_id, run_args=["--config-json", run.to_json()],
+        peer_args=list(args.peer_arg),
+    )  # fmt: skip
+    result = run_chaos(chaos, local, run)
+    print_result(result, args.json)
+    return 0 if result["ledger_ok"] and result["leftover_processes"] == 0 else 1
+
+
 def add_status_parser(sub) -> None:
     p = sub.add_parser("status", help="the swarm now: stages, peers, throughput, bottleneck, recent events")
     add_join_args(p)

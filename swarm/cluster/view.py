@@ -9,6 +9,7 @@ record expires).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -40,6 +41,7 @@ class PeerStatus:
     fingerprint: tuple[float, float] = (0.0, 0.0)
     epoch: int = 0  # accumulator epoch: gradients it held under an older one are gone
     note: str = ""  # why it is not serving yet, as it says
+    fallbacks: dict[str, int] = field(default_factory=dict)  # what its stage did off the normal path
 
     @property
     def peer_id(self) -> str:
@@ -48,6 +50,25 @@ class PeerStatus:
     @property
     def stage(self) -> int:
         return self.load.stage
+
+
+def _fallbacks_of(text: str) -> dict[str, int]:
+    try:
+        value = json.loads(text) if text else {}
+    except ValueError:
+        return {}
+    if not isinstance(value, dict):
+        return {}
+    return {str(k): int(v) for k, v in value.items() if isinstance(v, int) and not isinstance(v, bool)}
+
+
+def fallback_totals(statuses) -> dict[str, int]:
+    """The fallbacks every peer in `statuses` reported, summed by kind."""
+    totals: dict[str, int] = {}
+    for s in statuses:
+        for kind, n in s.fallbacks.items():
+            totals[kind] = totals.get(kind, 0) + n
+    return totals
 
 
 def _state_of(text: str) -> PeerState:
@@ -190,6 +211,7 @@ class SwarmView:
         status.fingerprint = (info.params_sum, info.params_abs)
         status.epoch = int(info.epoch)
         status.note = info.note
+        status.fallbacks = _fallbacks_of(info.fallbacks)
         status.load.reported_queue = float(info.queue_length)
         # Info is fresher than the DHT record; a peer that moved waits for its new record.
         status.record_state = _state_of(info.state) if info.stage == status.stage else PeerState.OFFLINE

@@ -24,6 +24,9 @@ class PeerConfig:
     announce_period_s: float = setting(2.0, "seconds between DHT record refreshes")
     record_ttl_s: float = setting(8.0, "seconds a DHT record lives without refresh")
     step_poll_s: float = setting(0.05, "seconds between checks whether the stage's pending update is due", cli=False)
+    stall_report_s: float = setting(
+        30.0, "a stage short of its global batch for this long says so in its log, events and status"
+    )
     join_timeout_s: float = setting(60.0, "longest wait for the run config on the DHT at start")
     drain_timeout_s: float = setting(10.0, "longest wait for in-flight requests when leaving a stage or stopping")
     state_timeout_s: float = setting(120.0, "longest a state download from a stage-mate may take")

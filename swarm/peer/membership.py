@@ -184,8 +184,9 @@ class Membership:
         # one averager per process, created on this (main) thread: see swarm.training.averaging
         rt.averager = StageAverager(self.dht.dht, run.run_id, stage, executor.params, cfg.averaging)
         rt.stepper = StepCoordinator(
-            executor, rt.averager, self, self.clients, run.run_id, run.global_batch, self._after_update
-        )
+            executor, rt.averager, self, self.clients, run.run_id, run.global_batch, self._after_update,
+            cfg.stall_report_s,
+        )  # fmt: skip
         self.serving.throughput = await loop.run_in_executor(
             None, measure_throughput, executor, built.schema, run.model, run.microbatch, cfg.use_benchmark_cache
         )
@@ -333,7 +334,9 @@ class Membership:
             except (StateError, Exception) as e:  # noqa: BLE001 - try the next mate
                 logger.warning("state download from %s failed: %s", mate.peer_id[-6:], e)
                 continue
-            await asyncio.wrap_future(rt.executor.call(lambda s=state: rt.executor.load_state_dict(s)))
+            dropped = await asyncio.wrap_future(rt.executor.call(lambda s=state: rt.executor.load_state_dict(s)))
+            if dropped:
+                self.event("dropped_for_replay", samples=dropped, step=rt.executor.step)
             set_context(step=rt.executor.step)
             logger.info(
                 "downloaded stage %d state at step %d from %s in %.2f s",

@@ -40,7 +40,6 @@ FINGERPRINT_TOLERANCE = 1e-9  # relative; rounding noise is orders of magnitude 
 AGREE_WAIT_S = 3.0  # how long a frozen peer waits for its mates to freeze the same update
 AGREE_POLL_S = 0.05
 CONTRIBUTIONS_TIMEOUT_S = 5.0
-STALL_REPORT_S = 30.0  # a stage short of its global batch for this long says so (log and event)
 
 
 def fingerprints_agree(a: tuple[float, float], b: tuple[float, float], tol: float = FINGERPRINT_TOLERANCE) -> bool:
@@ -77,9 +76,11 @@ class StepCoordinator:
         run_id: str,
         global_batch: int,
         after_update: Callable[[int], None] | None = None,
+        stall_report_s: float = 30.0,
     ) -> None:
         self.executor, self.averager, self.mates, self.clients = executor, averager, mates, clients
         self.run_id, self.global_batch, self.after_update = run_id, global_batch, after_update
+        self.stall_report_s = stall_report_s  # a stage short of its global batch this long says so
         self.peer_id = mates.peer_id
         self.resyncs = 0
         self.last_averaging_s = 0.0
@@ -124,12 +125,12 @@ class StepCoordinator:
         now = time.monotonic()
         if (step, total) != self._last_total:
             self._last_total, self._last_change, self._stall_reported = (step, total), now, False
-        elif total > 0 and now - self._last_change > STALL_REPORT_S and not self._stall_reported:
+        elif total > 0 and now - self._last_change > self.stall_report_s and not self._stall_reported:
             self._stall_reported = True
             logger.warning(
                 "stage holds %d of %d samples for step %d and none came for %.0f s: waiting for the rest "
                 "(a dead trainer's restart completes its microbatches)",
-                total, self.global_batch, step, STALL_REPORT_S,
+                total, self.global_batch, step, self.stall_report_s,
             )  # fmt: skip
             self.mates.event("stalled", step=step, samples=total, of=self.global_batch)
 

@@ -133,6 +133,7 @@ def planned(shares: list[int], microbatch: int, steps: int) -> list[Assignment]:
 class LedgerReport:
     through_step: int  # updates 0 .. through_step - 1 are checked at every stage
     checked: int  # contributions checked, per stage
+    checked_samples: int = 0  # their samples
     lost: list[tuple[int, int, str]] = field(default_factory=list)  # (stage, step, contribution)
     duplicated: list[tuple[int, int, str]] = field(default_factory=list)  # (stage, step of an extra copy, cid)
     misplaced: list[tuple[int, int, str]] = field(default_factory=list)  # (stage, step applied in, cid)
@@ -181,6 +182,7 @@ def check(entries: Iterable[LedgerEntry], assignments: Iterable[Assignment], num
     report.through_step = min(applied) if applied else 0
     wanted = {c: a for c, a in assigned.items() if a.step < report.through_step}
     report.checked = len(wanted)
+    report.checked_samples = sum(a.samples for a in wanted.values())
     for stage in range(num_stages):
         where: dict[str, list[int]] = defaultdict(list)
         for step in range(report.through_step):

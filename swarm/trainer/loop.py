@@ -16,13 +16,14 @@ import json
 import logging
 import math
 import random
+import signal
 import sys
 import time
 
 import torch
 
 from swarm.cluster.runconfig import fetch_run_config
-from swarm.cluster.view import SwarmView
+from swarm.cluster.view import SwarmView, fallback_totals
 from swarm.core.errors import ConfigError
 from swarm.core.log import set_context
 from swarm.core.procs import SUMMARY_PREFIX
@@ -60,6 +61,7 @@ class Trainer:
         self.trainer_id = f"t{cfg.trainer_index}"
         self.in_flight = 0
         self.progress = asyncio.Event()
+        self.stop_requested = asyncio.Event()  # SIGTERM/SIGINT: stop training, report, exit
         self._calls = itertools.count()  # forward request ids
         self._retry: collections.deque[Microbatch] = collections.deque()
         self._sample_log = None
@@ -249,7 +251,7 @@ class Trainer:
             while True:
                 step = self.view.global_step()
                 self._on_step(step)
-                if step is not None and step >= target:
+                if (step is not None and step >= target) or self.stop_requested.is_set():
                     break
                 if self.in_flight < self.cfg.max_in_flight:
                     mb = self._next_microbatch(step)
@@ -299,13 +301,21 @@ class Trainer:
                 val_loss = await self.validate()
                 logger.info("final validation loss %.4f", val_loss)
             steps = self.view.global_step() or 0
-            return self.reporter.summary(steps, time.monotonic() - t0, train_s, val_loss)
+            summary = self.reporter.summary(steps, time.monotonic() - t0, train_s, val_loss)
+            summary["stopped_early"] = self.stop_requested.is_set()
+            summary["stage_fallbacks"] = fallback_totals(self.view.peers.values())
+            return summary
         finally:
             await self.close()
 
 
 async def run_trainer(cfg: TrainerConfig) -> dict:
-    summary = await Trainer(cfg).train()
+    """Train, print the summary line; SIGTERM or SIGINT stop training early, with a summary."""
+    trainer = Trainer(cfg)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, trainer.stop_requested.set)
+    summary = await trainer.train()
     print(SUMMARY_PREFIX + json.dumps(summary), flush=True)
     if not math.isfinite(summary["samples_per_s"]):
         summary["samples_per_s"] = 0.0

@@ -46,12 +46,18 @@ class Replayer:
         self.held = [r for r in self.held if r.mb is not mb]
 
     async def release_applied(self) -> None:
-        """Drop the records that the stage's ledger shows in an applied update."""
+        """Drop the records that the stage's ledger shows in an update every live peer of the stage
+        has applied. (Applied by one peer only, an update dies with it: that peer's all-reduce
+        completed, its mate's failed, and it was killed before the mate caught up from it. Its
+        gradients are still replayed then, and the mate applies the update with them.)"""
         stages = sorted({r.stage for r in self.held})
         applied: set[tuple[int, str]] = set()
         for stage in stages:
             from_step = min(r.accumulated_step for r in self.held if r.stage == stage)
-            applied |= {(stage, cid) for cid in await self._applied_ids(stage, from_step)}
+            through = self._applied_by_all(stage)
+            if through > from_step:
+                ids = await self._applied_ids(stage, from_step, through)
+                applied |= {(stage, cid) for cid in ids}
         keep = []
         for rec in self.held:
             if (rec.stage, rec.mb.cid) in applied:
@@ -62,9 +68,14 @@ class Replayer:
             self.held = keep
             self.progress.set()
 
-    async def _applied_ids(self, stage: int, from_step: int) -> set[str]:
-        """Contribution ids in the stage's applied updates from `from_step` on, from a live peer
-        that has applied at least that update (empty when none has)."""
+    def _applied_by_all(self, stage: int) -> int:
+        """Updates 0 .. n-1 every live serving peer of the stage has applied (0 when it has none)."""
+        steps = [p.step for p in self.view.stage_peers(stage) if p.last_info_ok and p.record_state.serving]
+        return min(steps, default=0)
+
+    async def _applied_ids(self, stage: int, from_step: int, through: int) -> set[str]:
+        """Contribution ids in the stage's updates from_step .. through-1, from a live peer that
+        has applied them (empty when none answers)."""
         peers = [p for p in self.view.stage_peers(stage) if p.last_info_ok and p.step > from_step]
         for peer in sorted(peers, key=lambda p: -p.step)[:2]:
             client = self.clients.get(peer.load.address)
@@ -73,7 +84,7 @@ class Replayer:
             except Exception as e:  # noqa: BLE001 - try another peer, or the next round
                 logger.debug("ledger of stage %d from %s: %s", stage, peer.peer_id[-6:], e)
                 continue
-            return {cid for e in entries for cid in e.contributions}
+            return {cid for e in entries if e.step < through for cid in e.contributions}
         return set()
 
     def lost(self, rec: HeldBackward) -> bool:

@@ -63,3 +63,74 @@ def test_catch_up_counts_own_gradient_once(mates, b_in_mates_update):
         assert dropped == 8 and b.acc.epoch == epoch + 1 and b.samples_accumulated == 0
         assert b.acc.holder_of("t0/0/4") is None  # a replay of it accumulates again
     assert b.acc.holder_of("t0/0/0") is not None  # applied: a repeat adds nothing
+
+
+class _Mates:
+    """The peer's side the step coordinator talks to (swarm.peer.membership): no live mates; the
+    events it reports are kept."""
+
+    def __init__(self, peer_id: str) -> None:
+        self.peer_id, self.stage, self.events = peer_id, 1, []
+
+    def live_mates(self):
+        return []
+
+    async def sync_from_mates(self, preferred=None) -> bool:
+        return False
+
+    async def refresh_view(self) -> None:
+        return None
+
+    def event(self, kind: str, **fields) -> None:
+        self.events.append((kind, fields))
+
+
+def _coordinator(ex: StageExecutor, peer_id: str, averager=None):
+    from swarm.peer.stepping import StepCoordinator
+
+    return StepCoordinator(ex, averager, _Mates(peer_id), None, "run", 12)
+
+
+def test_a_duplicate_is_dropped_by_the_larger_id_and_reported(mates):
+    import asyncio
+
+    from swarm.peer.agreement import agree
+
+    a, b = mates
+    _accumulate(a, 4, "t0/0/0")
+    _accumulate(a, 4, "t0/0/4")
+    _accumulate(b, 4, "t0/0/4")  # retried on b after a's deadline, while a still accumulated it
+    _accumulate(b, 4, "t0/0/8")
+    for ex in (a, b):
+        ex.call(ex.take_accumulated).result(timeout=30)
+    lists = {"a": a.call(lambda: a.contributions(0)).result(), "b": b.call(lambda: b.contributions(0)).result()}
+    agreement = agree(0, lists)
+    coord_a, coord_b = _coordinator(a, "a"), _coordinator(b, "b")
+    assert not asyncio.run(coord_a._settle(agreement)) and not asyncio.run(coord_b._settle(agreement))
+    assert a.samples_accumulated == 8 and a.acc.frozen is None and a.acc.epoch == 0  # a keeps both, unfrozen
+    assert b.samples_accumulated == 0 and b.acc.epoch == 1  # b dropped everything: the trainers replay
+    assert b.acc.holder_of("t0/0/4").peer_id == "a"  # a replay of the duplicate is told where it is
+    assert b.acc.holder_of("t0/0/8") is None  # the other one is accumulated again when replayed
+    assert coord_b.mates.events == [("duplicate_dropped", {"step": 0, "duplicates": 1, "samples": 8})]
+    assert coord_a.mates.events == []
+
+
+def test_a_failed_all_reduce_applies_nothing_and_is_reported(mates):
+    import asyncio
+
+    from swarm.peer.agreement import agree
+    from swarm.training.averaging import AveragingFailed
+
+    class Failing:
+        def average(self, *args):
+            raise AveragingFailed("averaging for step 0 was incomplete (a member did not take part)")
+
+    a, _ = mates
+    _accumulate(a, 4, "t0/0/0")
+    frozen = a.call(a.take_accumulated).result(timeout=30)
+    lists = {"a": a.call(lambda: a.contributions(0)).result(), "m": a.call(lambda: a.contributions(0)).result()}
+    agreement = agree(0, {"a": lists["a"], "m": type(lists["m"])(0, True, 0, {}, 0)})
+    coord = _coordinator(a, "a", Failing())
+    assert asyncio.run(coord._average(frozen, agreement)) is None
+    assert a.step == 0 and coord.failed_rounds == 1  # never its own gradient alone: the stage tries again
+    assert coord.mates.events == [("averaging_failed", {"step": 0, "members": 2})]

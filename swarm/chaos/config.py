@@ -1,0 +1,49 @@
+"""`swarm chaos`'s settings (its command line is generated from them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from swarm.core.settings import setting
+
+FAULT_KINDS = ("kill", "stop", "term", "join", "trainer", "coordinator")
+
+
+def kinds_list(text: str) -> list[str]:
+    kinds = [k.strip() for k in text.split(",") if k.strip()]
+    unknown = sorted(set(kinds) - set(FAULT_KINDS))
+    if unknown:
+        raise ValueError(f"unknown fault kinds {unknown}; choose from {', '.join(FAULT_KINDS)}")
+    return kinds
+
+
+@dataclass
+class ChaosOptions:
+    minutes: float = setting(10.0, "length of the chaos phase, in minutes")
+    mtbf_s: float = setting(15.0, "mean time between faults (exponential), in seconds", flag="--mtbf")
+    baseline_minutes: float = setting(
+        2.0, "length of the fault-free phase before it (the throughput baseline), in minutes"
+    )
+    kinds: list[str] = setting(
+        factory=lambda: list(FAULT_KINDS),
+        help="fault kinds to draw from, comma-separated: " + ", ".join(FAULT_KINDS),
+        parse=kinds_list,
+        metavar="KIND,...",
+    )
+    schedule: list[str] | None = setting(
+        None,
+        "instead of random faults, these kinds in this order, evenly spread over the chaos phase",
+        parse=kinds_list,
+        metavar="KIND,...",
+    )
+    chaos_seed: int = setting(0, "seed of the fault schedule and of the choice of victims")
+    stop_pause_s: float = setting(8.0, "a SIGSTOPped peer is resumed (SIGCONT) after up to this many seconds")
+    replace_after_s: float = setting(5.0, "a killed or terminated peer is replaced by a new one after this long")
+    restart_after_s: float = setting(2.0, "a killed trainer or coordinator is started again after this long")
+    max_extra_peers: int = setting(2, "joins beyond the initial number of peers, at most")
+
+    def __post_init__(self) -> None:
+        if self.minutes <= 0 or self.mtbf_s <= 0 or self.baseline_minutes < 0:
+            raise ValueError("--minutes and --mtbf must be positive, --baseline-minutes not negative")
+        if not self.kinds:
+            raise ValueError("--kinds must name at least one fault kind")

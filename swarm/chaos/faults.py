@@ -1,0 +1,171 @@
+"""The faults `swarm chaos` injects into a local swarm, each on real processes:
+
+- kill: SIGKILL a peer (a preempted machine); a new peer replaces it a moment later;
+- stop: SIGSTOP a peer, SIGCONT after a random pause (it must catch up with its mates);
+- term: SIGTERM a peer (a graceful drain); a new peer replaces it;
+- join: a fresh peer joins (its stage chosen by the peers' own rule);
+- trainer: SIGKILL a trainer and start it again (same index: it completes what it had started);
+- coordinator: SIGKILL the coordinator (the DHT carries on: new processes join through live
+  peers) and start it again later.
+A peer fault never takes the last serving peer of a stage (a stage with no peer and no checkpoint
+has no state left: a different experiment)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import signal
+import threading
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from swarm.chaos.config import ChaosOptions
+from swarm.core.procs import ManagedProcess
+from swarm.core.states import PeerState
+from swarm.local import LocalSwarm
+from swarm.wire.client import StageClient
+
+logger = logging.getLogger(__name__)
+
+INFO_TIMEOUT_S = 2.0
+
+
+def probe(address: str) -> tuple[int, str] | None:
+    """(stage, state) a peer answers Info with, or None when it does not answer."""
+
+    async def go():
+        client = StageClient(address)
+        try:
+            info = await client.info(INFO_TIMEOUT_S)
+            return int(info.stage), info.state
+        finally:
+            await client.close()
+
+    try:
+        return asyncio.run(go())
+    except Exception:  # noqa: BLE001 - not answering is an answer
+        return None
+
+
+@dataclass
+class FaultContext:
+    swarm: LocalSwarm
+    opts: ChaosOptions
+    rng: random.Random
+    initial_peers: int
+    counts: Counter = field(default_factory=Counter)
+    stopped: set[int] = field(default_factory=set)  # pids of SIGSTOPped peers
+    timers: list[threading.Timer] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def later(self, delay_s: float, fn: Callable[[], None]) -> None:
+        timer = threading.Timer(delay_s, self._guarded, args=(fn,))
+        timer.daemon = True
+        self.timers.append(timer)
+        timer.start()
+
+    def _guarded(self, fn: Callable[[], None]) -> None:
+        try:
+            with self.lock:
+                fn()
+        except Exception:  # noqa: BLE001 - a failed follow-up must not stop the run
+            logger.exception("chaos follow-up failed")
+
+    def cancel_timers(self) -> None:
+        for timer in self.timers:
+            timer.cancel()
+
+
+def serving_peers(ctx: FaultContext) -> dict[int, list[ManagedProcess]]:
+    """Live, online, not stopped peers by the stage they serve now (peers move)."""
+    by_stage: dict[int, list[ManagedProcess]] = {}
+    for proc in ctx.swarm.peers:
+        if not proc.alive() or not proc.ready or proc.pid in ctx.stopped:
+            continue
+        answer = probe(proc.ready["address"])
+        if answer is not None and answer[1] == PeerState.ONLINE:
+            by_stage.setdefault(answer[0], []).append(proc)
+    return by_stage
+
+
+def pick_victim(ctx: FaultContext) -> ManagedProcess | None:
+    candidates = [p for peers in serving_peers(ctx).values() if len(peers) >= 2 for p in peers]
+    return ctx.rng.choice(candidates) if candidates else None
+
+
+def _replace(ctx: FaultContext) -> None:
+    ctx.later(ctx.opts.replace_after_s, lambda: ctx.swarm.start_peer("auto", wait=False))
+
+
+def kill(ctx: FaultContext) -> str | None:
+    victim = pick_victim(ctx)
+    if victim is None:
+        return None
+    victim.send_signal(signal.SIGKILL)
+    _replace(ctx)
+    return f"SIGKILL {victim.name}"
+
+
+def stop(ctx: FaultContext) -> str | None:
+    victim = pick_victim(ctx)
+    if victim is None:
+        return None
+    victim.send_signal(signal.SIGSTOP)
+    ctx.stopped.add(victim.pid)
+    pause = ctx.rng.uniform(2.0, ctx.opts.stop_pause_s)
+
+    def resume() -> None:
+        victim.send_signal(signal.SIGCONT)
+        ctx.stopped.discard(victim.pid)
+
+    ctx.later(pause, resume)
+    return f"SIGSTOP {victim.name} for {pause:.1f} s"
+
+
+def term(ctx: FaultContext) -> str | None:
+    victim = pick_victim(ctx)
+    if victim is None:
+        return None
+    victim.send_signal(signal.SIGTERM)
+    _replace(ctx)
+    return f"SIGTERM {victim.name}"
+
+
+def join(ctx: FaultContext) -> str | None:
+    alive = sum(1 for p in ctx.swarm.peers if p.alive())
+    if alive >= ctx.initial_peers + ctx.opts.max_extra_peers:
+        return None
+    proc = ctx.swarm.start_peer("auto", wait=False)
+    return f"join {proc.name}"
+
+
+def trainer(ctx: FaultContext) -> str | None:
+    index = ctx.rng.randrange(len(ctx.swarm.trainers))
+    proc = ctx.swarm.trainers[index]
+    if not proc.alive():
+        return None
+    proc.send_signal(signal.SIGKILL, group=True)
+    ctx.later(ctx.opts.restart_after_s, lambda: ctx.swarm.restart_trainer(index))
+    return f"SIGKILL trainer {index}, restarted after {ctx.opts.restart_after_s:.0f} s"
+
+
+def coordinator(ctx: FaultContext) -> str | None:
+    proc = ctx.swarm.coordinator
+    if proc is None or not proc.alive():
+        return None
+    proc.send_signal(signal.SIGKILL, group=True)
+    delay = 5 * ctx.opts.restart_after_s
+    ctx.later(delay, lambda: ctx.swarm.start_coordinator(join=ctx.swarm.join_addresses()))
+    return f"SIGKILL coordinator, restarted after {delay:.0f} s"
+
+
+FAULTS: dict[str, Callable[[FaultContext], str | None]] = {
+    "kill": kill,
+    "stop": stop,
+    "term": term,
+    "join": join,
+    "trainer": trainer,
+    "coordinator": coordinator,
+}
