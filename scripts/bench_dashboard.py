@@ -23,20 +23,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from swarm.dashboard.browser import CHROMIUM, launch  # noqa: E402
 from swarm.dashboard.server import DashboardServer  # noqa: E402
 from swarm.dashboard.synthetic import SyntheticSource  # noqa: E402
-
-CHROMIUM = os.environ.get("SWARM_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 
 
 def log(msg: str) -> None:
@@ -71,7 +60,7 @@ def render_ms(url: str, loads: int) -> tuple[float | None, float | None]:
         return None, None
     drawn, js = [], []
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        browser = launch(p)
         try:
             for i in range(loads + 1):  # the first load warms Chromium up and is not counted
                 page = browser.new_page(viewport={"width": 1600, "height": 1000})

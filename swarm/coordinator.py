@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from swarm.core.log import set_context
 from swarm.core.procs import READY_PREFIX
 from swarm.core.settings import setting
+from swarm.dashboard.live import DashboardConfig, LiveDashboard
 from swarm.dht.announcer import Announcer
 from swarm.dht.node import SwarmDHT
 from swarm.training.config import RunConfig
@@ -32,6 +33,8 @@ class CoordinatorConfig:
     port: int = setting(0, "DHT port (0: any free port)")
     announce_host: str | None = setting(None, "IP address other machines reach the coordinator at")
     maddrs_file: str | None = setting(None, "also write the multiaddrs to join with to this file (for scripts)")
+    dashboard_port: int | None = setting(None, "also serve the dashboard on this port (0: any free port)")
+    dashboard_host: str = setting("127.0.0.1", "interface of the dashboard (read-only; 0.0.0.0 for all)")
     initial_peers: list[str] = setting(
         factory=list,
         help="multiaddrs of a running swarm, to restart its coordinator (default: start a new DHT)",
@@ -53,6 +56,7 @@ async def run_coordinator(run: RunConfig, cfg: CoordinatorConfig) -> int:
         lambda ttl: dht.publish_config(text, ttl), CONFIG_PERIOD_S, CONFIG_TTL_S, name="config-announcer"
     )
     announcer.start()
+    dashboard = None
     try:
         maddrs = dht.visible_maddrs()
         if announce_host:
@@ -62,7 +66,14 @@ async def run_coordinator(run: RunConfig, cfg: CoordinatorConfig) -> int:
             with open(tmp, "w") as f:
                 f.write("\n".join(maddrs) + "\n")
             os.replace(tmp, cfg.maddrs_file)  # atomic: readers never see a half-written file
+        if cfg.dashboard_port is not None:  # the same DHT node feeds it (created on this thread)
+            dashboard = LiveDashboard(
+                run.run_id, maddrs, DashboardConfig(cfg.dashboard_host, cfg.dashboard_port), dht=dht, run=run
+            )
+            dashboard.start()
         ready = {"role": "coordinator", "run_id": run.run_id, "initial_peers": maddrs, "pid": os.getpid()}
+        if dashboard is not None:
+            ready["dashboard"] = dashboard.url
         print(READY_PREFIX + json.dumps(ready), flush=True)
         logger.info(
             "run %s: join with  swarm peer --run-id %s --initial-peers %s", run.run_id, run.run_id, " ".join(maddrs)
@@ -70,5 +81,7 @@ async def run_coordinator(run: RunConfig, cfg: CoordinatorConfig) -> int:
         await stop.wait()
         return 0
     finally:
+        if dashboard is not None:
+            await loop.run_in_executor(None, dashboard.stop)
         await loop.run_in_executor(None, announcer.stop)
         await loop.run_in_executor(None, dht.shutdown)

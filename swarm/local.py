@@ -20,6 +20,7 @@ from pathlib import Path
 
 from swarm.core.procs import ManagedProcess
 from swarm.core.settings import setting
+from swarm.dashboard.live import DashboardConfig, LiveDashboard
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,9 @@ class LocalOptions:
     peer_args: list[str] = setting(factory=list, help="extra arguments for every peer", cli=False)
     trainer_args: list[str] = setting(factory=list, help="extra arguments for every trainer", cli=False)
     python: str = setting(sys.executable, "the Python that runs the processes", cli=False)
+    dashboard_port: int | None = setting(
+        None, "also serve the dashboard (read-only) on this port of 127.0.0.1 (0: any free port)"
+    )
     env: dict[str, str] = setting(factory=dict, help="extra environment for every process", cli=False)
 
     def layout(self) -> list[int]:
@@ -112,6 +116,7 @@ class LocalSwarm:
         self._lock = threading.Lock()
         self._counter = 0
         self._trainer_on_line = None
+        self.dashboard: LiveDashboard | None = None
 
     # ---- process construction ----
 
@@ -219,6 +224,9 @@ class LocalSwarm:
         return [p for p in [*self.trainers, *self.peers, self.coordinator, *self.retired] if p is not None]
 
     def stop(self) -> None:
+        if self.dashboard is not None:
+            self.dashboard.stop()
+            self.dashboard = None
         procs = self.all_processes()
         threads = [threading.Thread(target=p.stop, kwargs={"timeout": 15.0}) for p in procs]
         for t in threads:
@@ -280,6 +288,9 @@ def run_local(opts: LocalOptions, as_json: bool = False) -> dict:
             flush=True,
         )
         print(f"logs: {swarm.log_dir}/", file=out, flush=True)
+        if opts.dashboard_port is not None:
+            swarm.dashboard = LiveDashboard(swarm.run_id, maddrs, DashboardConfig(port=opts.dashboard_port))
+            swarm.dashboard.start()  # prints "dashboard: URL"
         layout = opts.layout()
         print(
             f"starting {sum(layout)} peers (per stage: {','.join(map(str, layout))}) and {opts.trainers} trainer(s)...",

@@ -8,6 +8,7 @@ import argparse
 from swarm.cli.roles import add_coordinator_parser, add_peer_parser, add_trainer_parser
 from swarm.cli.tools import (
     add_chaos_parser,
+    add_dashboard_parser,
     add_export_parser,
     add_ledger_parser,
     add_local_parser,
@@ -38,6 +39,7 @@ def make_parser() -> argparse.ArgumentParser:
     add_status_parser(sub)
     add_ledger_parser(sub)
     add_chaos_parser(sub)
+    add_dashboard_parser(sub)
     add_export_parser(sub)
     from swarm.sim.cli import add_sim_parser  # the simulator imports no torch or hivemind at all
 

@@ -105,6 +105,42 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     return 0 if result["ledger_ok"] and result["leftover_processes"] == 0 else 1
 
 
+def add_dashboard_parser(sub) -> None:
+    from swarm.dashboard.live import DashboardConfig
+
+    p = sub.add_parser(
+        "dashboard",
+        help="the swarm and its training, live in a browser (read-only), with an API and Prometheus metrics",
+        description="Serves one page (stages, peers, loss and throughput plots, events), GET /api/v1/state (JSON), "
+        "GET /metrics (Prometheus) and GET /healthz. It joins the DHT as a client and polls the peers' Info at "
+        "most once per refresh each; it prints 'dashboard: URL' once it serves.",
+    )
+    add_join_args(p)
+    add_settings(p, DashboardConfig)
+    p.set_defaults(func=cmd_dashboard)
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    from swarm.cluster.runconfig import fetch_run_config
+    from swarm.dashboard.collector import LiveSource
+    from swarm.dashboard.live import CONFIG_TIMEOUT_S, DashboardConfig
+    from swarm.dashboard.server import serve_forever
+    from swarm.dht.node import SwarmDHT
+
+    setup_logging("dashboard", args.log_level or "WARNING")
+    cfg = from_args(DashboardConfig, args)
+    dht = SwarmDHT(args.run_id, initial_peers(args), client_mode=True)  # on the main thread: it outlives the DHT
+    try:
+        source = LiveSource(dht, fetch_run_config(dht, CONFIG_TIMEOUT_S))
+        ready = lambda url: print(f"dashboard: {url}", flush=True)  # noqa: E731
+        asyncio.run(serve_forever(source, cfg.host, cfg.port, cfg.refresh_s, on_ready=ready))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        dht.shutdown()
+    return 0
+
+
 def add_status_parser(sub) -> None:
     p = sub.add_parser("status", help="the swarm now: stages, peers, throughput, bottleneck, recent events")
     add_join_args(p)

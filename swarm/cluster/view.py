@@ -41,6 +41,9 @@ class PeerStatus:
     fingerprint: tuple[float, float] = (0.0, 0.0)
     epoch: int = 0  # accumulator epoch: gradients it held under an older one are gone
     note: str = ""  # why it is not serving yet, as it says
+    device: str = ""  # from its DHT record
+    uptime_s: float = 0.0
+    samples_processed: int = 0
     fallbacks: dict[str, int] = field(default_factory=dict)  # what its stage did off the normal path
 
     @property
@@ -172,6 +175,7 @@ class SwarmView:
                         )
                     self.peers[rec.peer_id] = status
                 status.record_state = PeerState(rec.state)
+                status.device = rec.device
                 status.record_expiration = entry.expiration
                 if rec.throughput > 0:
                     status.load.throughput = rec.throughput
@@ -210,6 +214,8 @@ class SwarmView:
         status.samples_accumulated = int(info.samples_accumulated)
         status.fingerprint = (info.params_sum, info.params_abs)
         status.epoch = int(info.epoch)
+        status.uptime_s = info.uptime_ms / 1000.0
+        status.samples_processed = int(info.samples_processed)
         status.note = info.note
         status.fallbacks = _fallbacks_of(info.fallbacks)
         status.load.reported_queue = float(info.queue_length)
@@ -218,13 +224,22 @@ class SwarmView:
         if info.throughput > 0:
             status.load.throughput = info.throughput
 
-    async def poll_info(self, stages: set[int] | None = None) -> None:
+    async def poll_info(self, stages: set[int] | None = None, concurrency: int | None = None) -> None:
+        """Poll the Info of every known peer (of `stages`), at most `concurrency` at a time."""
         targets = [
             s
             for s in self.peers.values()
             if s.record_state != PeerState.OFFLINE and (stages is None or s.stage in stages)
         ]
-        if targets:
+        if targets and concurrency:
+            limit = asyncio.Semaphore(concurrency)
+
+            async def bounded(s: PeerStatus) -> None:
+                async with limit:
+                    await self._poll_one(s)
+
+            await asyncio.gather(*(bounded(s) for s in targets))
+        elif targets:
             await asyncio.gather(*(self._poll_one(s) for s in targets))
         self.changed.set()
         for listener in self.info_listeners:

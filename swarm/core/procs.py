@@ -45,6 +45,40 @@ def _die_gracefully_with_parent() -> None:
     die_with_parent(signal.SIGTERM)
 
 
+class _Spawner:
+    """Starts child processes from one long-lived thread. PR_SET_PDEATHSIG fires when the *thread*
+    that forked the child exits: a child started from a short-lived thread (a timer restarting a
+    trainer, say) would get its death signal at once. This thread lives as long as the process."""
+
+    def __init__(self) -> None:
+        self._requests: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def _run(self) -> None:
+        while True:
+            args, kwargs, done = self._requests.get()
+            try:
+                done.put((subprocess.Popen(*args, **kwargs), None))
+            except BaseException as e:  # noqa: BLE001 - handed back to the caller
+                done.put((None, e))
+
+    def popen(self, *args, **kwargs) -> subprocess.Popen:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="process-spawner", daemon=True)
+                self._thread.start()
+        done: queue.Queue = queue.Queue(maxsize=1)
+        self._requests.put((args, kwargs, done))
+        proc, error = done.get()
+        if error is not None:
+            raise error
+        return proc
+
+
+_spawn = _Spawner().popen
+
+
 class ProcessExited(RuntimeError):
     pass
 
@@ -69,7 +103,7 @@ class ManagedProcess:
         self.stdout_lines: list[str] = []
         self._ready_event = threading.Event()
         self._events: queue.Queue = queue.Queue()
-        self.proc = subprocess.Popen(
+        self.proc = _spawn(
             argv,
             stdout=subprocess.PIPE,
             stderr=self._log,

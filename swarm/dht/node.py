@@ -18,7 +18,7 @@ from hivemind.utils import get_dht_time
 
 from swarm.core.procs import die_with_parent
 from swarm.core.settings import DHT_TIMEOUT_S
-from swarm.dht.records import MAX_STAGES, EventRecord, PeerEntry, PeerRecord, SwarmSchema
+from swarm.dht.records import MAX_STAGES, EventRecord, PeerEntry, PeerRecord, SwarmSchema, TrainerRecord
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +155,23 @@ class SwarmDHT:
             except pydantic.ValidationError:
                 continue
         return events
+
+    # ---- trainers' metrics ----
+
+    def publish_trainer(self, record: TrainerRecord, ttl: float) -> bool:
+        return self._store(self.key("trainers"), self.owner, record.dict(), get_dht_time() + ttl)
+
+    def get_trainers(self) -> list[TrainerRecord]:
+        found = self._get(self.key("trainers"))
+        if found is None or not isinstance(found.value, dict):
+            return []
+        out = []
+        for _, item in found.value.items():
+            try:
+                out.append(TrainerRecord.parse_obj(item.value))
+            except pydantic.ValidationError:
+                logger.warning("ignoring a malformed trainer record under %s", self.key("trainers"))
+        return out
 
     def shutdown(self) -> None:
         try:

@@ -42,10 +42,34 @@ class EventRecord(pydantic.BaseModel):
         extra = pydantic.Extra.forbid
 
 
+class TrainerRecord(pydantic.BaseModel):
+    """What a trainer publishes about its training (for dashboards), refreshed every few seconds."""
+
+    trainer_id: pydantic.constr(strict=True, max_length=40)
+    step: pydantic.conint(strict=True, ge=0)
+    loss: pydantic.confloat(strict=True) | None = None
+    val_loss: pydantic.confloat(strict=True) | None = None
+    samples_per_s: pydantic.confloat(strict=True, ge=0.0) = 0.0
+    in_flight: pydantic.conint(strict=True, ge=0) = 0
+    retries: pydantic.conint(strict=True, ge=0) = 0
+    replays: pydantic.conint(strict=True, ge=0) = 0
+    samples: pydantic.conint(strict=True, ge=0) = 0
+    # failed calls per peer (the last 12 characters of its id), the peers with the most
+    failed_peers: pydantic.conlist(
+        pydantic.conlist(pydantic.constr(strict=True, max_length=16) | pydantic.conint(strict=True, ge=0)),
+        max_items=16,
+    ) = []
+    time: pydantic.confloat(strict=True, ge=0.0) = 0.0
+
+    class Config:
+        extra = pydantic.Extra.forbid
+
+
 _OwnerKey = pydantic.conbytes(strict=True, max_length=1024)
 _schema_fields: dict = {f"stage_{k}": (dict[_OwnerKey, PeerRecord] | None, None) for k in range(MAX_STAGES)}
 _schema_fields["config"] = (dict[_OwnerKey, pydantic.constr(strict=True, max_length=4000)] | None, None)
 _schema_fields["events"] = (dict[_OwnerKey, EventRecord] | None, None)
+_schema_fields["trainers"] = (dict[_OwnerKey, TrainerRecord] | None, None)
 # hivemind's SchemaValidator is written against pydantic's v1 API (pydantic.v1 under pydantic 2).
 SwarmSchema = pydantic.create_model("SwarmSchema", __module__=__name__, **_schema_fields)
 

@@ -39,10 +39,12 @@ class CheckpointWriter:
         every: int,
         peer_id: str,
         live_mates: Callable[[], list],
+        on_written: Callable[[int, str], None] | None = None,
     ) -> None:
         self.store, self.executor, self.every = store, executor, every
         self.meta, self.spec = stage_meta(run, stage), run.model
         self.peer_id, self.live_mates = peer_id, live_mates
+        self.on_written = on_written  # (step, path): e.g. an event for status and dashboards
 
     def is_writer(self) -> bool:
         ids = [m.peer_id for m in self.live_mates() if m.record_state == PeerState.ONLINE] + [self.peer_id]
@@ -62,6 +64,8 @@ class CheckpointWriter:
             with self._lock:
                 path = store.save(stamp(state, meta, spec))
             logger.info("checkpoint of stage %d at step %d written to %s", meta["stage"], state["step"], path)
+            if self.on_written is not None:
+                self.on_written(int(state["step"]), str(path))
 
         thread = threading.Thread(target=write, name="checkpoint-writer", daemon=False)
         thread.start()

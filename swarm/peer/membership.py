@@ -176,8 +176,9 @@ class Membership:
         await loop.run_in_executor(None, self.records.announce, stage, PeerState.JOINING)
         if cfg.checkpoint_dir:
             store = CheckpointStore(cfg.checkpoint_dir, stage, keep=cfg.checkpoint_keep)
+            written = lambda step, path: self.events.add("checkpoint", stage=stage, step=step)  # noqa: E731
             rt.checkpoints = CheckpointWriter(
-                store, executor, run, stage, cfg.checkpoint_every, self.peer_id, self.live_mates
+                store, executor, run, stage, cfg.checkpoint_every, self.peer_id, self.live_mates, written
             )
         await self.refresh_view()
         await self._initial_state(rt)

@@ -27,6 +27,7 @@ from swarm.cluster.view import SwarmView, fallback_totals
 from swarm.core.errors import ConfigError
 from swarm.core.log import set_context
 from swarm.core.procs import SUMMARY_PREFIX
+from swarm.dht.announcer import Announcer
 from swarm.dht.node import SwarmDHT
 from swarm.policy.ledger import contribution_id, samples_digest
 from swarm.policy.pacing import StepPacer
@@ -48,6 +49,8 @@ from swarm.wire.tensors import WireTensor
 logger = logging.getLogger(__name__)
 
 PROGRESS_WAIT_S = 0.5
+METRICS_PERIOD_S = 3.0  # a trainer's DHT record (for dashboards) is refreshed this often
+METRICS_TTL_S = 15.0
 
 
 class Trainer:
@@ -69,6 +72,7 @@ class Trainer:
         self.dht: SwarmDHT | None = None
         self.view: SwarmView | None = None
         self.run: RunConfig | None = None
+        self.metrics: Announcer | None = None
 
     # ---- setup ----
 
@@ -100,10 +104,18 @@ class Trainer:
         self.router = Router(cfg, self.view, self.clients, Wiring(self.rng), self.stats, run.num_stages)
         self.replayer = Replayer(self.view, self.router, self.clients, run.run_id, self.stats, self.progress)
         self._background.append(asyncio.create_task(self.replayer.run()))
+        self.metrics = Announcer(self._publish_metrics, METRICS_PERIOD_S, METRICS_TTL_S, name="trainer-metrics").start()
+
+    def _publish_metrics(self, ttl: float) -> bool:
+        """Refresh this trainer's DHT record (the dashboard reads it); runs on the announcer's thread."""
+        record = self.reporter.record(self.trainer_id, self.in_flight, dict(self.stats.failures_by_peer))
+        return self.dht.publish_trainer(record, ttl)
 
     async def close(self) -> None:
         for task in self._background:
             task.cancel()
+        if self.metrics is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.metrics.stop)
         if self.view is not None:
             await self.view.stop()
         await self.clients.close()

@@ -6,13 +6,17 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
 from swarm.core.log import set_context
 from swarm.core.procs import PROGRESS_PREFIX
+from swarm.dht.records import TrainerRecord
 
 logger = logging.getLogger(__name__)
+
+MAX_FAILED_PEERS = 12  # peers listed with their failed calls in a trainer's DHT record
 
 
 @dataclass
@@ -28,6 +32,7 @@ class Stats:
     replays: int = 0
     failed_peers: set[str] = field(default_factory=set)
     failed_calls_by_code: collections.Counter[str] = field(default_factory=collections.Counter)
+    failures_by_peer: collections.Counter[str] = field(default_factory=collections.Counter)
     losses_by_step: dict[int, list[tuple[float, int]]] = field(default_factory=lambda: collections.defaultdict(list))
     val_losses: list[tuple[int, float]] = field(default_factory=list)
 
@@ -85,6 +90,27 @@ class Reporter:
             self.bar.set_postfix(loss=f"{loss:.3f}" if loss is not None else "-", sps=sps, retries=self.stats.retries)
             self.bar.refresh()
         return True
+
+    def record(self, trainer_id: str, in_flight: int, failures: dict[str, int]) -> TrainerRecord:
+        """This trainer's metrics as its DHT record (for dashboards: swarm.dashboard)."""
+        s = self.stats
+        step = self.last_step or 0
+        loss = s.mean_loss(step - 1) if step else None
+        val = s.val_losses[-1][1] if s.val_losses else None
+        top = sorted(failures.items(), key=lambda kv: -kv[1])[:MAX_FAILED_PEERS]
+        return TrainerRecord(
+            trainer_id=trainer_id,
+            step=step,
+            loss=None if loss is None or not math.isfinite(loss) else float(loss),
+            val_loss=None if val is None or not math.isfinite(val) else float(val),
+            samples_per_s=float(self.samples_per_s()),
+            in_flight=in_flight,
+            retries=s.retries,
+            replays=s.replays,
+            samples=s.samples,
+            failed_peers=[[peer[-12:], int(n)] for peer, n in top],
+            time=time.time(),
+        )
 
     def summary(self, steps: int, wall_s: float, train_s: float, val_loss: float | None) -> dict:
         s = self.stats

@@ -98,6 +98,7 @@ class Router:
             return False
         ban = self.wiring.on_failure(peer, time.monotonic())
         self.stats.failed_peers.add(peer.peer_id)
+        self.stats.failures_by_peer[peer.peer_id] += 1
         logger.warning(
             "stage %d peer %s failed (%s: %s); banned for %.0f s, retrying on another peer",
             stage, peer.peer_id[-6:], code.name, (e.details() or "")[:120], ban,

@@ -1,0 +1,57 @@
+"""Serving the dashboard of a live swarm, the same way from every command that offers it (`swarm
+dashboard`, `swarm coordinator --dashboard-port`, `swarm local --dashboard-port`): a DHT client node
+(created on the calling thread, which must outlive it), the run config, a LiveSource, and uvicorn in
+a thread of this process; it prints `dashboard: URL` once it serves."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass
+
+from swarm.cluster.runconfig import fetch_run_config
+from swarm.core.settings import setting
+from swarm.dashboard.collector import LiveSource
+from swarm.dashboard.server import DashboardServer
+from swarm.dht.node import SwarmDHT
+from swarm.training.config import RunConfig
+
+logger = logging.getLogger(__name__)
+
+CONFIG_TIMEOUT_S = 60.0
+
+
+@dataclass
+class DashboardConfig:
+    host: str = setting("127.0.0.1", "interface the dashboard listens on (it is read-only; 0.0.0.0 for all)")
+    port: int = setting(8080, "port of the dashboard (0: any free port)")
+    refresh_s: float = setting(1.0, "seconds between the dashboard's looks at the swarm (and the page's updates)")
+
+
+class LiveDashboard:
+    """A dashboard of the run `run_id` served from this process until `stop()`."""
+
+    def __init__(
+        self,
+        run_id: str,
+        initial_peers: list[str],
+        cfg: DashboardConfig,
+        dht: SwarmDHT | None = None,
+        run: RunConfig | None = None,
+    ) -> None:
+        self.own_dht = dht is None
+        self.dht = dht or SwarmDHT(run_id, initial_peers, client_mode=True)
+        self.run = run or fetch_run_config(self.dht, CONFIG_TIMEOUT_S)
+        self.source = LiveSource(self.dht, self.run)
+        self.server = DashboardServer(self.source, cfg.host, cfg.port, cfg.refresh_s)
+        self.url = ""
+
+    def start(self) -> str:
+        self.url = self.server.start()
+        print(f"dashboard: {self.url}", file=sys.stdout, flush=True)
+        return self.url
+
+    def stop(self) -> None:
+        self.server.stop()
+        if self.own_dht:
+            self.dht.shutdown()
