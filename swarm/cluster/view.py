@@ -277,13 +277,17 @@ class SwarmView:
                 pass
         if self._dht_call is not None:
             try:
-                await asyncio.wait_for(asyncio.shield(self._dht_call), self.dht.timeout + 1)
+                async with asyncio.timeout(self.dht.timeout + 1):
+                    await asyncio.shield(self._dht_call)
             except Exception:  # noqa: BLE001
                 pass
 
     async def wait_changed(self, timeout: float) -> None:
         self.changed.clear()
         try:
-            await asyncio.wait_for(self.changed.wait(), timeout)
+            # asyncio.timeout, not wait_for: in Python 3.11 wait_for can swallow a cancellation that
+            # arrives as the wait ends, and a cancelled microbatch task would then go on
+            async with asyncio.timeout(timeout):
+                await self.changed.wait()
         except TimeoutError:
             pass

@@ -61,7 +61,8 @@ class StateCache:
     async def refresh(self) -> None:
         """One snapshot: on success cache it, on failure keep the last good document plus the error."""
         try:
-            doc = await asyncio.wait_for(self.source.snapshot(), self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):  # not wait_for: it can swallow a cancellation (3.11)
+                doc = await self.source.snapshot()
             check_state(doc)
             body = _to_json(doc)
         except Exception as exc:  # any failure of the source is reported, never raised
@@ -144,7 +145,8 @@ def create_app(source: StateSource, refresh_s: float = 1.0, snapshot_timeout_s: 
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         task = asyncio.create_task(cache.run(), name="dashboard-refresh")
         with contextlib.suppress(TimeoutError):  # a slow source must not hold the server back for long
-            await asyncio.wait_for(cache.first_done.wait(), min(snapshot_timeout_s, 5.0))
+            async with asyncio.timeout(min(snapshot_timeout_s, 5.0)):
+                await cache.first_done.wait()
         try:
             yield
         finally:

@@ -133,7 +133,8 @@ async def serve_forever(
     except asyncio.CancelledError:
         server.should_exit = True
         with contextlib.suppress(asyncio.CancelledError, TimeoutError):
-            await asyncio.wait_for(asyncio.shield(serving), 5.0)
+            async with asyncio.timeout(5.0):
+                await asyncio.shield(serving)
         raise
     finally:
         sock.close()

@@ -94,6 +94,7 @@ class StreamedRequest:
                     return
 
         try:
-            await asyncio.wait_for(consume(), DRAIN_TIMEOUT_S)
+            async with asyncio.timeout(DRAIN_TIMEOUT_S):
+                await consume()
         except Exception:  # noqa: BLE001 - best effort: the error status goes out either way
             pass
