@@ -31,6 +31,7 @@ class PeerConfig:
     drain_timeout_s: float = setting(10.0, "longest wait for in-flight requests when leaving a stage or stopping")
     state_timeout_s: float = setting(120.0, "longest a state download from a stage-mate may take")
     max_message_mb: int = setting(256, "largest request accepted, in MiB")
+    stream_read_timeout_s: float = setting(30.0, "a request stream that sends nothing for this long is cut")
     use_benchmark_cache: bool = setting(
         True, "reuse the cached throughput benchmark of this device, model and stage", flag="--benchmark-cache"
     )

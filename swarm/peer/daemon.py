@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import signal
 
@@ -85,7 +86,13 @@ class Peer:
         self.serving = ServingState(run.run_id, self.dht.peer_id, __version__)
         self.serving.codec = codec_from_name(run.codec)
         self.serving.exact = run.exact
-        limits = Limits(max_message_bytes=cfg.max_message_bytes, max_batch=run.max_batch)
+        ahead = 1 if run.exact else math.ceil(run.max_staleness) + 1  # a request's step, at most this far ahead
+        limits = Limits(
+            max_message_bytes=cfg.max_message_bytes,
+            max_batch=run.max_batch,
+            max_steps_ahead=ahead,
+            stream_read_timeout_s=cfg.stream_read_timeout_s,
+        )
         self.server, port = await start_server(StageService(self.serving, limits), cfg.host, cfg.port, limits)
         self.view = SwarmView(self.dht, run.num_stages, self.clients, exclude_peer=self.dht.peer_id)
         self.records = PeerRecords(self.dht, self.serving, self.device.type, cfg.announce_period_s, cfg.record_ttl_s)

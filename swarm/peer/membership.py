@@ -116,6 +116,20 @@ class Membership:
         self.serving.fallbacks = dict(self.fallbacks)
         self.events.add(kind, stage=self.stage, **fields)
 
+    def restart_averager(self) -> StageAverager | None:
+        """A new averager process for the current stage (the old one died). On the event loop's
+        (main) thread, as every averager: see swarm.training.averaging."""
+        rt = self.runtime
+        if rt is None:
+            return None
+        old, rt.averager = rt.averager, None
+        if old is not None:
+            old.shutdown()
+        rt.averager = StageAverager(self.dht.dht, self.run.run_id, rt.stage, rt.executor.params, self.cfg.averaging)
+        self.event("averager_restarted")
+        logger.warning("this peer's averager process had died; started a new one")
+        return rt.averager
+
     def _ledger_path(self, stage: int) -> Path | None:
         if not self.cfg.ledger_dir:
             return None

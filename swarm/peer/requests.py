@@ -4,6 +4,8 @@ server maps to a gRPC status."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from swarm.core.checks import all_finite
@@ -35,8 +37,10 @@ def check_header(header: pb.Tensor, what: str, schema: StageSchema, limits: Limi
     shape = tuple(int(d) for d in header.shape)
     if not shape or not 1 <= shape[0] <= limits.max_batch:
         raise WireError(f"{what} has shape {list(shape)}: batch must be in 1..{limits.max_batch}")
+    if any(d < 1 for d in shape) or math.prod(shape) > limits.max_numel:
+        raise WireError(f"{what} has shape {list(shape)}: at most {limits.max_numel} elements, each dim >= 1")
     if what == "input":
-        schema.input.check(torch.zeros((1, *shape[1:]), dtype=codec.DTYPES[header.dtype]), what, 1)
+        schema.input.check_shape(shape, codec.DTYPES[header.dtype], what, limits.max_batch)
     return shape[0]
 
 

@@ -11,6 +11,7 @@ trainer retries elsewhere. The server keeps serving whatever it is sent.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -27,17 +28,18 @@ from swarm.core.errors import (
     SwarmError,
     WrongTarget,
 )
+from swarm.peer.admission import Admission
 from swarm.peer.agreement import contributions_response, ledger_chunks
 from swarm.peer.executor import StageExecutor
 from swarm.peer.partials import partial_chunks
 from swarm.peer.requests import check_grad_output, decode_targets
 from swarm.peer.serving import Limits, ServingState
-from swarm.peer.state_transfer import state_stream
+from swarm.peer.state_transfer import StateSnapshots
 from swarm.peer.streaming import StreamedRequest
 from swarm.training.models import StageSchema
 from swarm.wire import codec, messages
 from swarm.wire.codec import WireError
-from swarm.wire.options import channel_options
+from swarm.wire.options import server_options
 from swarm.wire.protocol import pb
 from swarm.wire.stream import PARTS_KEY, RESPONSE_KEY
 from swarm.wire.tensors import split_samples
@@ -56,6 +58,9 @@ STATUS_OF_ERROR: dict[type[BaseException], grpc.StatusCode] = {
 }
 
 
+RETRY_KEY = "swarm-retry"  # trailing metadata of a RESOURCE_EXHAUSTED that is worth retrying (Overloaded)
+
+
 def status_of(e: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status of an error, by its type (the most specific class that has one)."""
     for cls in type(e).__mro__:
@@ -66,10 +71,19 @@ def status_of(e: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"
 
 
+async def abort(context, e: BaseException):
+    """Answer with the status of `e` (a retryable overload says so in the trailing metadata)."""
+    code, details = status_of(e)
+    metadata = ((RETRY_KEY, "1"),) if isinstance(e, Overloaded) else ()
+    await context.abort(code, details, trailing_metadata=metadata)
+
+
 class StageService:
     def __init__(self, serving: ServingState, limits: Limits) -> None:
         self.serving = serving
         self.limits = limits
+        self.admission = Admission(limits)
+        self.states = StateSnapshots()
 
     # ---- computing: a request is one part (unary) or several (streamed) ----
 
@@ -78,8 +92,15 @@ class StageService:
         Per-request figures (loss, compute time, accumulated step) are collected in `acc`."""
         if msg.reply_codec not in codec.CODEC_LABELS:
             raise WireError(f"unknown reply codec {msg.reply_codec}")
-        if self.serving.exact and not getattr(msg, "validation", False) and msg.step > executor.step:
-            await self._wait_for_step(executor, int(msg.step))
+        training = not getattr(msg, "validation", False)
+        if training and not 0 <= msg.step <= executor.step + self.limits.max_steps_ahead:
+            raise RequestInvalid(
+                f"the request is for step {msg.step}; this peer takes steps up to {executor.step} + "
+                f"{self.limits.max_steps_ahead}"
+            )
+        if self.serving.exact and training and msg.step > executor.step:
+            with self.admission.wait_for_step():
+                await self._wait_for_step(executor, int(msg.step))
         offset, index = 0, 0
         async for n, x, grad in parts:
             schema.input.check(x, "input", self.limits.max_batch)
@@ -148,34 +169,41 @@ class StageService:
     async def _unary(self, kind: str, raw: bytes, context) -> bytes:
         self.serving.in_flight += 1
         try:
-            msg = messages.parse(pb.ForwardRequest if kind == "forward" else pb.BackwardRequest, raw)
-            executor, schema = self.serving.check_target(msg.run_id, msg.stage)
-            if not msg.HasField("input"):
-                raise WireError("request has no input tensor")
-            x = codec.decode(msg.input, self.limits.max_numel)
-            if x.dim() == 0:
-                raise WireError("input must have a batch dimension")
-            grad = None
-            if kind == "backward" and not schema.is_last and msg.HasField("grad_output"):
-                grad = codec.decode(msg.grad_output, self.limits.max_numel)
-            targets = decode_targets(msg, schema, x.shape[0], self.limits)
-
-            async def one_part():
-                yield x.shape[0], x, grad
-
-            acc = {"streamed": False}
-            encoded = [e async for e in self._compute(kind, msg, executor, schema, targets, one_part(), acc)]
-            return self._response(kind, msg, executor, acc, encoded[0] if encoded else None).SerializeToString()
+            with self.admission.request(context.peer()):
+                return await self._unary_admitted(kind, raw)
         except Exception as e:  # noqa: BLE001 - every error becomes a status; the server keeps serving
-            await context.abort(*status_of(e))
+            await abort(context, e)
         finally:
             self.serving.in_flight -= 1
+
+    async def _unary_admitted(self, kind: str, raw: bytes) -> bytes:
+        msg = messages.parse(pb.ForwardRequest if kind == "forward" else pb.BackwardRequest, raw)
+        executor, schema = self.serving.check_target(msg.run_id, msg.stage)
+        if not msg.HasField("input"):
+            raise WireError("request has no input tensor")
+        x = codec.decode(msg.input, self.limits.max_numel)
+        if x.dim() == 0:
+            raise WireError("input must have a batch dimension")
+        grad = None
+        if kind == "backward" and not schema.is_last and msg.HasField("grad_output"):
+            grad = codec.decode(msg.grad_output, self.limits.max_numel)
+        targets = decode_targets(msg, schema, x.shape[0], self.limits)
+
+        async def one_part():
+            yield x.shape[0], x, grad
+
+        acc = {"streamed": False}
+        encoded = [e async for e in self._compute(kind, msg, executor, schema, targets, one_part(), acc)]
+        return self._response(kind, msg, executor, acc, encoded[0] if encoded else None).SerializeToString()
 
     async def _streamed(self, kind: str, request_iterator, context) -> AsyncIterator[bytes]:
         """The streamed form (see proto/swarm.proto): parts are computed and returned as they arrive."""
         self.serving.in_flight += 1
         request = StreamedRequest(kind, request_iterator, self.limits)
+        admitted = contextlib.ExitStack()
         try:
+            admitted.enter_context(self.admission.stream())
+            admitted.enter_context(self.admission.request(context.peer()))
             msg = await request.read_header()
             executor, schema = self.serving.check_target(msg.run_id, msg.stage)
             batch = request.check_tensors(schema)
@@ -199,8 +227,9 @@ class StageService:
                 # read what the client is still sending before answering: aborting mid-stream races
                 # the client's writes and can turn the clear status into a generic INTERNAL error
                 await request.drain()
-            await context.abort(*status_of(e))
+            await abort(context, e)
         finally:
+            admitted.close()
             self.serving.in_flight -= 1
 
     # ---- gRPC entry points ----
@@ -232,11 +261,18 @@ class StageService:
             async for chunk in chunks(executor, request):
                 yield chunk
         except Exception as e:  # noqa: BLE001 - every error becomes a status
-            await context.abort(*status_of(e))
+            await abort(context, e)
 
     async def get_state(self, raw: bytes, context) -> AsyncIterator[bytes]:
-        async for chunk in self._blob(pb.StateRequest, raw, context, lambda ex, _req: state_stream(ex)):
-            yield chunk
+        """GetState: one serialized snapshot per step, a few callers at a time (swarm.peer.admission)."""
+        try:
+            with self.admission.state_call(context.peer()):
+                request = messages.parse(pb.StateRequest, raw)
+                executor, _ = self.serving.check_target(request.run_id, request.stage)
+                async for chunk in self.states.stream(executor):
+                    yield chunk
+        except Exception as e:  # noqa: BLE001 - every error becomes a status
+            await abort(context, e)
 
     async def get_partial_gradient(self, raw: bytes, context) -> AsyncIterator[bytes]:
         chunks = lambda ex, req: partial_chunks(ex, req.step)  # noqa: E731
@@ -250,7 +286,7 @@ class StageService:
             held = await asyncio.wrap_future(executor.call(lambda: executor.contributions(int(request.step))))
             return contributions_response(self.serving.peer_id, held).SerializeToString()
         except Exception as e:  # noqa: BLE001 - every error becomes a status
-            await context.abort(*status_of(e))
+            await abort(context, e)
 
     async def get_ledger(self, raw: bytes, context) -> AsyncIterator[bytes]:
         async for chunk in self._blob(pb.LedgerRequest, raw, context, ledger_chunks):
@@ -274,7 +310,9 @@ class StageService:
 
 
 async def start_server(service: StageService, host: str, port: int, limits: Limits) -> tuple[grpc.aio.Server, int]:
-    server = grpc.aio.server(options=channel_options(limits.max_message_bytes), maximum_concurrent_rpcs=1024)
+    # no gRPC-wide cap on concurrent calls: Info must always get through (a dashboard, the trainers'
+    # views); Forward/Backward/streams/GetState have their own bounds (swarm.peer.admission)
+    server = grpc.aio.server(options=server_options(limits.max_message_bytes))
     server.add_generic_rpc_handlers((service.handler(),))
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:

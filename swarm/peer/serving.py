@@ -18,9 +18,21 @@ from swarm.wire.protocol import pb
 
 @dataclass(frozen=True)
 class Limits:
+    """What a peer accepts (swarm.peer.admission enforces the per-client and per-kind bounds)."""
+
     max_message_bytes: int = 256 * MiB
     max_numel: int = 1 << 28
     max_batch: int = 256
+    max_in_flight_per_client: int = 64  # Forward/Backward requests of one client connection at once
+    max_in_flight: int = 1024  # ... of all clients
+    max_streams: int = 256  # streamed requests open at once
+    stream_read_timeout_s: float = 30.0  # a stream that sends nothing for this long is cut
+    max_waiting: int = 64  # exact mode: requests held until this peer applies the step before theirs
+    max_state_calls: int = 2  # GetState answered at once
+    state_call_interval_s: float = 1.0  # per client host
+    max_queue_tasks: int = 4096  # compute queue: tasks
+    max_queue_bytes: int = 1 << 30  # ... and their input bytes
+    max_steps_ahead: int = 2  # a request's step may be at most this far after the peer's
 
 
 class ServingState:

@@ -15,12 +15,24 @@ from swarm.wire.client import StageClient
 from swarm.wire.protocol import pb
 
 
-async def state_stream(executor: StageExecutor) -> AsyncIterator[bytes]:
-    """GetState's messages: a consistent snapshot of `executor`'s state."""
-    state = await asyncio.wrap_future(executor.call(executor.state_dict))
-    data = await asyncio.get_running_loop().run_in_executor(None, serialize, state)
-    async for chunk in blob_chunks(data, step=state["step"]):
-        yield chunk
+class StateSnapshots:
+    """GetState's messages: a consistent snapshot of the stage's state, taken between batches and
+    serialized off the event loop once per step (a flood of GetState costs one serialization, and
+    one cached copy)."""
+
+    def __init__(self) -> None:
+        self._cached: tuple[int, int, bytes] | None = None  # (executor id, step, serialized state)
+        self._lock = asyncio.Lock()
+
+    async def stream(self, executor: StageExecutor) -> AsyncIterator[bytes]:
+        async with self._lock:
+            cached = self._cached
+            if cached is None or cached[0] != id(executor) or cached[1] != executor.step:
+                state = await asyncio.wrap_future(executor.call(executor.state_dict))
+                data = await asyncio.get_running_loop().run_in_executor(None, serialize, state)
+                cached = self._cached = (id(executor), int(state["step"]), data)
+        async for chunk in blob_chunks(cached[2], step=cached[1]):
+            yield chunk
 
 
 async def download_state(client: StageClient, run_id: str, stage: int, timeout_s: float, max_bytes: int) -> dict:

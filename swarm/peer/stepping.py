@@ -65,6 +65,8 @@ class StageMates(Protocol):
 
     def event(self, kind: str, **fields: object) -> None: ...
 
+    def restart_averager(self) -> StageAverager | None: ...
+
 
 class StepCoordinator:
     def __init__(
@@ -242,6 +244,8 @@ class StepCoordinator:
             self.failed_rounds += 1
             logger.warning("%s; the stage tries again", e)
             self.mates.event("averaging_failed", step=frozen.step, members=len(members))
+            if not self.averager.alive:  # its process died: a new one, or every round fails from now on
+                self.averager = self.mates.restart_averager()
             await self.mates.refresh_view()  # the members may have disagreed on who is in the stage
             return None
         self.executor.counters.averaging_rounds += 1

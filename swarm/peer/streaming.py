@@ -31,9 +31,12 @@ class StreamedRequest:
 
     async def _next_raw(self) -> bytes:
         try:
-            raw = await anext(self._it)
+            async with asyncio.timeout(self.limits.stream_read_timeout_s):
+                raw = await anext(self._it)
         except StopAsyncIteration:
             raise WireError("stream ended before all its parts arrived") from None
+        except TimeoutError:
+            raise WireError(f"stream sent nothing for {self.limits.stream_read_timeout_s:.0f} s") from None
         self._received += len(raw)
         if self._received > self.limits.max_message_bytes:
             raise MessageTooLarge(f"stream carries more than the limit of {self.limits.max_message_bytes} bytes")

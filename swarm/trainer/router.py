@@ -3,7 +3,8 @@ on failure to another one.
 
 What a peer's gRPC status means to the trainer:
 - INVALID_ARGUMENT, RESOURCE_EXHAUSTED: the request itself was refused; another peer would refuse
-  it too (`MicrobatchRejected`).
+  it too (`MicrobatchRejected`); but a RESOURCE_EXHAUSTED marked retryable (the peer is past one of
+  its bounds: queue, streams, requests per client) is tried again in a moment, no ban.
 - FAILED_PRECONDITION: the peer serves another stage or run now (it moved): choose another, no ban.
 - ABORTED: the stage is agreeing on (and averaging) the update this backward is for: try again in a
   moment (the update may be unfrozen, or the request turn out to be a duplicate), no ban.
@@ -33,6 +34,7 @@ REJECTED = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE
 MOVED = frozenset({grpc.StatusCode.FAILED_PRECONDITION})
 RETRY_SOON = frozenset({grpc.StatusCode.ABORTED})  # the stage is averaging that update: try again shortly
 RETRY_SOON_S = 0.1
+RETRY_KEY = "swarm-retry"  # the peer marks an overload retryable (swarm.peer.server.RETRY_KEY)
 NO_RETRY_CAP = None
 
 
@@ -46,6 +48,15 @@ class MicrobatchFailed(RuntimeError):
 
 class MicrobatchRejected(RuntimeError):
     """A peer refused the request as invalid: retrying elsewhere would not help."""
+
+
+def _overloaded(e: grpc.aio.AioRpcError) -> bool:
+    """RESOURCE_EXHAUSTED from a peer past one of its bounds (swarm.peer.admission): retry later."""
+    try:
+        metadata = e.trailing_metadata() or ()
+    except Exception:  # noqa: BLE001 - no metadata: not marked retryable
+        return False
+    return e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and any(k == RETRY_KEY for k, _ in metadata)
 
 
 def work_share(kind: str, stage: int, num_stages: int) -> float:
@@ -84,7 +95,7 @@ class Router:
         """Account for a failed call; True if it should be retried without counting it as a failure."""
         code = e.code()
         self.stats.failed_calls_by_code[code.name] += 1
-        if code in RETRY_SOON:
+        if code in RETRY_SOON or _overloaded(e):
             return True
         if code in REJECTED:
             raise MicrobatchRejected(f"stage {stage} peer {peer.peer_id[-6:]} rejected the request: {e.details()}")

@@ -190,10 +190,17 @@ class StageAverager:
             allow_state_sharing=False,  # state travels over our gRPC GetState, not hivemind's RPC
         )
 
+    @property
+    def alive(self) -> bool:
+        """Its averager process runs (a child forked while gRPC threads ran can die of it)."""
+        return self.averager.is_alive()
+
     def average(self, grads_sum: list[torch.Tensor], samples: int, step: int, mates: list[str]) -> AveragedGradient:
         """All-reduce this peer's gradient (the gradient of the summed loss over `samples`) with the
         given stage-mates' (their peer ids). Blocking; raises AveragingFailed unless the round was
         complete."""
+        if not self.alive:
+            raise AveragingFailed(f"averaging for step {step}: this peer's averager process is not running")
         start = time.monotonic()
         members = sorted({self.peer_id, *mates})
         with self.averager.get_tensors() as tensors:

@@ -17,3 +17,16 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
     ]
+
+
+def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """The channel options plus what lets clients' keepalive pings through: a server keeps gRPC's
+    default minimum ping interval (5 min) otherwise, and answers a client that pings every 10 s with
+    GOAWAY too_many_pings (ENHANCE_YOUR_CALM): its calls fail and the channel reconnects (seen in
+    chaos runs, where channels idle between a peer's rare calls)."""
+    return [
+        *channel_options(max_message_bytes),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        ("grpc.http2.max_ping_strikes", 0),
+    ]

@@ -84,6 +84,10 @@ class _Mates:
     def event(self, kind: str, **fields) -> None:
         self.events.append((kind, fields))
 
+    def restart_averager(self):
+        self.events.append(("averager_restarted", {}))
+        return "a new averager"
+
 
 def _coordinator(ex: StageExecutor, peer_id: str, averager=None):
     from swarm.peer.stepping import StepCoordinator
@@ -122,6 +126,8 @@ def test_a_failed_all_reduce_applies_nothing_and_is_reported(mates):
     from swarm.training.averaging import AveragingFailed
 
     class Failing:
+        alive = True
+
         def average(self, *args):
             raise AveragingFailed("averaging for step 0 was incomplete (a member did not take part)")
 
@@ -134,3 +140,26 @@ def test_a_failed_all_reduce_applies_nothing_and_is_reported(mates):
     assert asyncio.run(coord._average(frozen, agreement)) is None
     assert a.step == 0 and coord.failed_rounds == 1  # never its own gradient alone: the stage tries again
     assert coord.mates.events == [("averaging_failed", {"step": 0, "members": 2})]
+
+
+def test_a_dead_averager_process_is_replaced(mates):
+    import asyncio
+
+    from swarm.peer.agreement import agree
+    from swarm.training.averaging import AveragingFailed
+
+    class Dead:
+        alive = False
+
+        def average(self, *args):
+            raise AveragingFailed("averaging for step 0: this peer's averager process is not running")
+
+    a, _ = mates
+    _accumulate(a, 4, "t0/0/0")
+    frozen = a.call(a.take_accumulated).result(timeout=30)
+    own = a.call(lambda: a.contributions(0)).result()
+    agreement = agree(0, {"a": own, "m": type(own)(0, True, 0, {}, 0)})
+    coord = _coordinator(a, "a", Dead())
+    assert asyncio.run(coord._average(frozen, agreement)) is None
+    assert coord.averager == "a new averager"  # the next round runs with a new process
+    assert [k for k, _ in coord.mates.events] == ["averaging_failed", "averager_restarted"]

@@ -16,6 +16,7 @@ by the number of samples it covers.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -25,6 +26,7 @@ from swarm.core.errors import LateContribution, StepClosed
 from swarm.policy.ledger import Held, base_id
 
 APPLIED_IDS_REMEMBERED = 1 << 16  # contribution ids of applied updates still recognized as duplicates
+ELSEWHERE_HINT_S = 10.0  # how long "a mate holds it" answers a replay: that mate may move, die or drop it
 
 
 @dataclass
@@ -44,6 +46,7 @@ class Holder:
 
     peer_id: str
     epoch: int
+    since: float = 0.0  # when this peer learned it (a mate's holding is a hint that expires)
 
 
 class Accumulators:
@@ -69,7 +72,11 @@ class Accumulators:
             return Holder("", self.epoch)
         if any(cid in a.held for a in self._open.values()):
             return Holder("", self.epoch)
-        return self._elsewhere.get(cid)
+        hint = self._elsewhere.get(cid)
+        if hint is not None and time.monotonic() - hint.since > ELSEWHERE_HINT_S:
+            del self._elsewhere[cid]  # that mate may have moved, died or dropped it since: accumulate it
+            return None
+        return hint
 
     def target_step(self, tag: int) -> int:
         """The update a backward tagged `tag` goes into: its own. One for an update this peer froze
@@ -136,7 +143,8 @@ class Accumulators:
             self.accumulating_step = min(self.accumulating_step, self.frozen.step)
         self._open, self.frozen = {}, None
         self.epoch += 1
-        self._elsewhere.update(elsewhere or {})
+        now = time.monotonic()
+        self._elsewhere.update({c: Holder(h.peer_id, h.epoch, now) for c, h in (elsewhere or {}).items()})
         return dropped
 
     # ---- after an update ----

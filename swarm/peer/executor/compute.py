@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from swarm.core.checks import all_finite
-from swarm.core.errors import ExecutorStopped, NonFiniteResult, RequestInvalid, SwarmError
+from swarm.core.errors import ExecutorStopped, NonFiniteResult, Overloaded, RequestInvalid, SwarmError
 from swarm.peer.executor.accumulators import Accumulators
 from swarm.peer.executor.lookahead import LookAhead
 from swarm.peer.executor.tasks import BACKWARD, CALL, EVAL, FORWARD, BackwardResult, ForwardResult, Task, take_batch
@@ -49,6 +49,8 @@ class StageExecutor(StageUpdates):
         predict_params: bool = False,
         prior_samples: int = 8,
         ledger: StageLedger | None = None,
+        max_queue_tasks: int = 4096,
+        max_queue_bytes: int = 1 << 30,
     ) -> None:
         self.built = built
         self.device = torch.device(device)
@@ -72,6 +74,8 @@ class StageExecutor(StageUpdates):
         self.fingerprint = self.compute_fingerprint()  # (step, sum, sum of |p|), replaced whole
 
         self._queue: collections.deque[Task] = collections.deque()
+        self._queued_bytes = 0
+        self.max_queue_tasks, self.max_queue_bytes = max_queue_tasks, max_queue_bytes
         self._cv = threading.Condition()
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name=f"stage{built.stage}-compute", daemon=True)
@@ -98,10 +102,19 @@ class StageExecutor(StageUpdates):
     # ---- submission (any thread) ----
 
     def submit(self, task: Task) -> concurrent.futures.Future:
+        nbytes = task.nbytes
         with self._cv:
             if self._stopped:
                 raise ExecutorStopped(f"stage {self.built.stage}'s executor is stopped (leaving or shutting down)")
+            if task.kind != CALL and (
+                len(self._queue) >= self.max_queue_tasks or self._queued_bytes + nbytes > self.max_queue_bytes
+            ):
+                raise Overloaded(
+                    f"stage {self.built.stage}'s compute queue is full ({len(self._queue)} requests, "
+                    f"{self._queued_bytes >> 20} MiB); retry later"
+                )
             self._queue.append(task)
+            self._queued_bytes += nbytes
             self._cv.notify()
         return task.future
 
@@ -132,6 +145,7 @@ class StageExecutor(StageUpdates):
             self._stopped = True
             pending = list(self._queue)
             self._queue.clear()
+            self._queued_bytes = 0
             self._cv.notify_all()
         for task in pending:
             if not task.future.done():
@@ -149,7 +163,9 @@ class StageExecutor(StageUpdates):
                 self._cv.wait()
             if self._stopped:
                 return None
-            return take_batch(self._queue, self.max_batch_samples, self._is_duplicate)
+            batch = take_batch(self._queue, self.max_batch_samples, self._is_duplicate)
+            self._queued_bytes -= sum(t.nbytes for t in batch)
+            return batch
 
     def _loop(self) -> None:
         while True:

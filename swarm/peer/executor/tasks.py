@@ -34,6 +34,12 @@ class Task:
     def size(self) -> int:
         return 0 if self.inputs is None else int(self.inputs.shape[0])
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its tensors (what it holds while queued)."""
+        tensors = (self.inputs, self.targets, self.grad_output)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
     def batch_key(self) -> tuple:
         x, t = self.inputs, self.targets
         tag = self.tag if self.kind in (FORWARD, BACKWARD) else 0

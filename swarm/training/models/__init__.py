@@ -37,21 +37,24 @@ class TensorSchema:
     max_dims: tuple[int | None, ...] = ()
     value_range: tuple[int, int] | None = None  # for integer ids: lo <= v < hi
 
-    def check(self, tensor: torch.Tensor, what: str, max_batch: int) -> None:
-        if tensor.dtype != self.dtype:
-            raise RequestInvalid(f"{what} has dtype {tensor.dtype}, expected {self.dtype}")
-        if tensor.dim() != 1 + len(self.dims):
-            raise RequestInvalid(
-                f"{what} has shape {list(tensor.shape)}, expected [batch, {', '.join(map(_dim, self.dims))}]"
-            )
-        if not 1 <= tensor.shape[0] <= max_batch:
-            raise RequestInvalid(f"{what} has batch size {tensor.shape[0]}, allowed 1..{max_batch}")
-        for i, (actual, want) in enumerate(zip(tensor.shape[1:], self.dims, strict=True)):
+    def check_shape(self, shape: tuple[int, ...], dtype: torch.dtype, what: str, max_batch: int) -> None:
+        """The shape and dtype a tensor must have, checked before any buffer for it exists (a
+        stream header may declare [1, 100000, 100000]: nothing is allocated for it)."""
+        if dtype != self.dtype:
+            raise RequestInvalid(f"{what} has dtype {dtype}, expected {self.dtype}")
+        if len(shape) != 1 + len(self.dims):
+            raise RequestInvalid(f"{what} has shape {list(shape)}, expected [batch, {', '.join(map(_dim, self.dims))}]")
+        if not 1 <= shape[0] <= max_batch:
+            raise RequestInvalid(f"{what} has batch size {shape[0]}, allowed 1..{max_batch}")
+        for i, (actual, want) in enumerate(zip(shape[1:], self.dims, strict=True)):
             limit = self.max_dims[i] if i < len(self.max_dims) else None
             if want is not None and actual != want:
-                raise RequestInvalid(f"{what} has shape {list(tensor.shape)}, dim {i + 1} must be {want}")
+                raise RequestInvalid(f"{what} has shape {list(shape)}, dim {i + 1} must be {want}")
             if want is None and (actual < 1 or (limit is not None and actual > limit)):
-                raise RequestInvalid(f"{what} has shape {list(tensor.shape)}, dim {i + 1} must be in 1..{limit}")
+                raise RequestInvalid(f"{what} has shape {list(shape)}, dim {i + 1} must be in 1..{limit}")
+
+    def check(self, tensor: torch.Tensor, what: str, max_batch: int) -> None:
+        self.check_shape(tuple(tensor.shape), tensor.dtype, what, max_batch)
         if self.dtype.is_floating_point:
             if not all_finite(tensor):
                 raise RequestInvalid(f"{what} contains NaN or infinity")
