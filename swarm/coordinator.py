@@ -13,6 +13,8 @@ import os
 import signal
 from dataclasses import dataclass
 
+from swarm.cluster.runconfig import SignedConfig
+from swarm.core.keys import SigningKey
 from swarm.core.log import set_context
 from swarm.core.procs import READY_PREFIX
 from swarm.core.settings import setting
@@ -40,10 +42,16 @@ class CoordinatorConfig:
         help="multiaddrs of a running swarm, to restart its coordinator (default: start a new DHT)",
         metavar="MULTIADDR",
     )
+    run_key_path: str | None = setting(
+        None,
+        "the run's private key (created there if missing; keep it to restart the coordinator of the same run); "
+        "default: a new key for this run, not saved",
+    )
 
 
 async def run_coordinator(run: RunConfig, cfg: CoordinatorConfig) -> int:
-    text = run.to_json()  # validates size before anything starts
+    key = SigningKey.load_or_create(cfg.run_key_path) if cfg.run_key_path else SigningKey.generate()
+    text = SignedConfig.sign(run, key).to_text()  # validates the config's size before anything starts
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -71,13 +79,20 @@ async def run_coordinator(run: RunConfig, cfg: CoordinatorConfig) -> int:
                 run.run_id, maddrs, DashboardConfig(cfg.dashboard_host, cfg.dashboard_port), dht=dht, run=run
             )
             dashboard.start()
-        ready = {"role": "coordinator", "run_id": run.run_id, "initial_peers": maddrs, "pid": os.getpid()}
+        ready = {
+            "role": "coordinator",
+            "run_id": run.run_id,
+            "run_key": key.fingerprint,
+            "initial_peers": maddrs,
+            "pid": os.getpid(),
+        }
         if dashboard is not None:
             ready["dashboard"] = dashboard.url
         print(READY_PREFIX + json.dumps(ready), flush=True)
         logger.info(
-            "run %s: join with  swarm peer --run-id %s --initial-peers %s", run.run_id, run.run_id, " ".join(maddrs)
-        )
+            "run %s: join with  swarm peer --run-id %s --run-key %s --initial-peers %s",
+            run.run_id, run.run_id, key.fingerprint, " ".join(maddrs),
+        )  # fmt: skip
         await stop.wait()
         return 0
     finally:

@@ -49,13 +49,15 @@ async def _stage_entries(view: SwarmView, clients: ClientPool, run_id: str, stag
     return entries
 
 
-async def collect(run_id: str, initial_peers: list[str]) -> tuple[RunConfig, list[LedgerEntry]]:
+async def collect(
+    run_id: str, initial_peers: list[str], run_key: str | None = None
+) -> tuple[RunConfig, list[LedgerEntry]]:
     """The run config and every live peer's ledger entries."""
     dht = SwarmDHT(run_id, initial_peers, client_mode=True)
     clients = ClientPool()
     loop = asyncio.get_running_loop()
     try:
-        run = await loop.run_in_executor(None, fetch_run_config, dht, CONFIG_TIMEOUT_S)
+        run = await loop.run_in_executor(None, fetch_run_config, dht, CONFIG_TIMEOUT_S, run_key)
         view = SwarmView(dht, run.num_stages, clients)
         await view.refresh_dht()
         await view.poll_info(None)

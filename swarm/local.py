@@ -113,6 +113,7 @@ class LocalSwarm:
         self.retired: list[ManagedProcess] = []  # replaced trainers and coordinators
         self.initial_peers: list[str] = []
         self.coordinator_argv: list[str] = []
+        self.run_key: str | None = None  # the coordinator's, given to every process that joins
         self._lock = threading.Lock()
         self._counter = 0
         self._trainer_on_line = None
@@ -144,7 +145,8 @@ class LocalSwarm:
         if not self.coordinator_argv:
             self.coordinator_argv = self._cmd(
                 "coordinator", "--run-id", self.run_id, "--stages", str(self.opts.stages), "--host", self.opts.host,
-                "--num-trainers", str(self.opts.trainers), *self.opts.run_args,
+                "--num-trainers", str(self.opts.trainers), "--run-key-path", str(self.log_dir / "run.key"),
+                *self.opts.run_args,
             )  # fmt: skip
         argv = self.coordinator_argv + (["--initial-peers", *join] if join else [])
         if self.coordinator is not None:
@@ -152,11 +154,13 @@ class LocalSwarm:
         self.coordinator = self._spawn(f"coordinator{len(self.retired) or ''}", argv)
         ready = self.coordinator.wait_ready(self.opts.startup_timeout_s)
         self.initial_peers = ready["initial_peers"]
+        self.run_key = ready["run_key"]
         return self.initial_peers
 
     def peer_argv(self, stage: int | str, extra: list[str] | None = None) -> list[str]:
         return self._cmd(
-            "peer", "--run-id", self.run_id, "--initial-peers", *self.join_addresses(), "--stage", str(stage),
+            "peer", "--run-id", self.run_id, "--run-key", self.run_key, "--initial-peers", *self.join_addresses(),
+            "--stage", str(stage),
             "--host", self.opts.host, "--threads", str(self.opts.threads), *self.opts.peer_args, *(extra or []),
         )  # fmt: skip
 
@@ -181,7 +185,7 @@ class LocalSwarm:
 
     def trainer_argv(self, index: int) -> list[str]:
         return self._cmd(
-            "trainer", "--run-id", self.run_id, "--initial-peers", *self.join_addresses(),
+            "trainer", "--run-id", self.run_id, "--run-key", self.run_key, "--initial-peers", *self.join_addresses(),
             "--steps", str(self.opts.steps), "--trainer-index", str(index), "--num-trainers", str(self.opts.trainers),
             "--threads", str(self.opts.threads), "--host", self.opts.host, "--json-progress", "--no-progress-bar",
             *self.opts.trainer_args,
@@ -281,15 +285,13 @@ def run_local(opts: LocalOptions, as_json: bool = False) -> dict:
         maddrs = swarm.start_coordinator()
         print(f"run id: {swarm.run_id}", file=out, flush=True)
         print(f"coordinator: {' '.join(maddrs)}", file=out, flush=True)
-        print(
-            f"attach from another terminal:  swarm peer --run-id {swarm.run_id} --initial-peers {maddrs[0]}  "
-            f"(or swarm trainer / swarm status with the same two options)",
-            file=out,
-            flush=True,
-        )
+        print(f"run key: {swarm.run_key}", file=out, flush=True)
+        attach = f"--run-id {swarm.run_id} --run-key {swarm.run_key} --initial-peers {maddrs[0]}"
+        print(f"attach from another terminal:  swarm peer {attach}  (or swarm trainer / status / dashboard)", file=out)
         print(f"logs: {swarm.log_dir}/", file=out, flush=True)
         if opts.dashboard_port is not None:
-            swarm.dashboard = LiveDashboard(swarm.run_id, maddrs, DashboardConfig(port=opts.dashboard_port))
+            dashboard_cfg = DashboardConfig(port=opts.dashboard_port)
+            swarm.dashboard = LiveDashboard(swarm.run_id, maddrs, dashboard_cfg, run_key=swarm.run_key)
             swarm.dashboard.start()  # prints "dashboard: URL"
         layout = opts.layout()
         print(

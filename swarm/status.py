@@ -6,24 +6,28 @@ import asyncio
 import json
 import sys
 
+from swarm.cluster.runconfig import fetch_run_config
 from swarm.cluster.view import SwarmView, fallback_totals
+from swarm.core.errors import ConfigError
 from swarm.core.states import PeerState
 from swarm.dht.node import SwarmDHT
-from swarm.training.config import RunConfig
 from swarm.wire.pool import ClientPool
 
 UNREACHABLE = "unreachable"  # listed as serving, but its Info polls fail
+CONFIG_TIMEOUT_S = 10.0
 
 
-async def collect_status(run_id: str, initial_peers: list[str], max_events: int = 50) -> dict:
+async def collect_status(
+    run_id: str, initial_peers: list[str], max_events: int = 50, run_key: str | None = None
+) -> dict:
     dht = SwarmDHT(run_id, initial_peers, client_mode=True)
     clients = ClientPool()
     try:
         loop = asyncio.get_running_loop()
-        text = await loop.run_in_executor(None, dht.get_config_json)
-        if text is None:
-            raise SystemExit(f"swarm status: no run config for run {run_id!r} on the DHT (wrong --run-id?)")
-        run = RunConfig.from_json(text)
+        try:
+            run = await loop.run_in_executor(None, fetch_run_config, dht, CONFIG_TIMEOUT_S, run_key)
+        except ConfigError as e:
+            raise SystemExit(f"swarm status: {e}") from None
         view = SwarmView(dht, run.num_stages, clients, info_timeout_s=3.0)
         await view.refresh_dht()
         await view.poll_info(None)

@@ -4,6 +4,7 @@ the tools that look at one (`tools`: local, status, export), the simulator (swar
 from __future__ import annotations
 
 import argparse
+import sys
 
 from swarm.cli.roles import add_coordinator_parser, add_peer_parser, add_trainer_parser
 from swarm.cli.tools import (
@@ -14,6 +15,7 @@ from swarm.cli.tools import (
     add_local_parser,
     add_status_parser,
 )
+from swarm.core.errors import ConfigError
 
 EPILOG = """\
 A local demo:       swarm local
@@ -49,4 +51,8 @@ def make_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
-    return args.func(args) or 0
+    try:
+        return args.func(args) or 0
+    except ConfigError as e:  # a user's mistake: one line that names the problem and the fix
+        print(f"swarm {args.command}: {e}", file=sys.stderr, flush=True)
+        return 2

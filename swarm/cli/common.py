@@ -6,7 +6,17 @@ from __future__ import annotations
 import argparse
 import time
 
+from swarm.core.errors import ConfigError
+from swarm.core.keys import check_fingerprint
+
 INITIAL_PEERS_FILE_WAIT_S = 120.0
+
+
+def check_run_key(text: str) -> str:
+    try:
+        return check_fingerprint(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def install_uvloop() -> None:
@@ -22,6 +32,12 @@ def add_join_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-id", required=True, help="the run to join")
     p.add_argument(
         "--initial-peers", nargs="+", metavar="MULTIADDR", help="DHT multiaddrs (the coordinator prints them)"
+    )
+    p.add_argument(
+        "--run-key",
+        metavar="FINGERPRINT",
+        type=check_run_key,
+        help="the fingerprint of the run's key (the coordinator prints it): only a config it signed is accepted",
     )
     p.add_argument(
         "--initial-peers-file",

@@ -63,7 +63,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
     setup_logging("peer", args.log_level)
     try:
         averaging = from_args(AveragingConfig, args)
-        cfg = from_args(PeerConfig, args, initial_peers=initial_peers(args), averaging=averaging)
+        cfg = from_args(PeerConfig, args, initial_peers=initial_peers(args), averaging=averaging, run_key=args.run_key)
         faults = fault_plan_from_args(args)
     except ValueError as e:
         raise SystemExit(f"swarm peer: {e}") from None
@@ -85,7 +85,7 @@ def cmd_trainer(args: argparse.Namespace) -> int:
     from swarm.trainer.loop import run_trainer
 
     setup_logging("trainer", args.log_level)
-    cfg = from_args(TrainerConfig, args, initial_peers=initial_peers(args))
+    cfg = from_args(TrainerConfig, args, initial_peers=initial_peers(args), run_key=args.run_key)
     install_uvloop()
     asyncio.run(run_trainer(cfg))
     return 0

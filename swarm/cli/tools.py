@@ -41,14 +41,16 @@ def cmd_local(args: argparse.Namespace) -> int:
     checkpoint_args = []
     if args.checkpoint_dir:
         checkpoint_args = ["--checkpoint-dir", args.checkpoint_dir, "--checkpoint-every", str(args.checkpoint_every)]
+    # the user asked for this model on their own command line: the local processes may import it
+    allow = ["--allow-model", run.model["factory"]] if run.model.get("kind") == "custom" else []
     opts = from_args(
         LocalOptions,
         args,
         stages=stages,
         run_id=run_id,
         run_args=["--config-json", run.to_json()],
-        peer_args=checkpoint_args + args.peer_arg,
-        trainer_args=list(args.trainer_arg),
+        peer_args=checkpoint_args + allow + args.peer_arg,
+        trainer_args=allow + list(args.trainer_arg),
     )
     try:
         opts.layout()
@@ -131,7 +133,7 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     cfg = from_args(DashboardConfig, args)
     dht = SwarmDHT(args.run_id, initial_peers(args), client_mode=True)  # on the main thread: it outlives the DHT
     try:
-        source = LiveSource(dht, fetch_run_config(dht, CONFIG_TIMEOUT_S))
+        source = LiveSource(dht, fetch_run_config(dht, CONFIG_TIMEOUT_S, args.run_key))
         ready = lambda url: print(f"dashboard: {url}", flush=True)  # noqa: E731
         asyncio.run(serve_forever(source, cfg.host, cfg.port, cfg.refresh_s, on_ready=ready))
     except KeyboardInterrupt:
@@ -152,7 +154,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     from swarm.status import collect_status, print_status
 
     setup_logging("status", args.log_level or "WARNING")
-    status = asyncio.run(collect_status(args.run_id, initial_peers(args)))
+    status = asyncio.run(collect_status(args.run_id, initial_peers(args), run_key=args.run_key))
     if args.json:
         print(json.dumps(status))
     else:
@@ -179,7 +181,7 @@ def cmd_ledger(args: argparse.Namespace) -> int:
     from swarm.policy.ledger import format_report
 
     setup_logging("ledger", args.log_level or "WARNING")
-    run, entries = asyncio.run(collect(args.run_id, initial_peers(args)))
+    run, entries = asyncio.run(collect(args.run_id, initial_peers(args), args.run_key))
     if args.ledger_dir:
         entries += read_ledger_dir(args.ledger_dir)
     assignments = read_sample_logs(args.sample_logs) if args.sample_logs else None

@@ -38,10 +38,11 @@ class LiveDashboard:
         cfg: DashboardConfig,
         dht: SwarmDHT | None = None,
         run: RunConfig | None = None,
+        run_key: str | None = None,
     ) -> None:
         self.own_dht = dht is None
         self.dht = dht or SwarmDHT(run_id, initial_peers, client_mode=True)
-        self.run = run or fetch_run_config(self.dht, CONFIG_TIMEOUT_S)
+        self.run = run or fetch_run_config(self.dht, CONFIG_TIMEOUT_S, run_key)
         self.source = LiveSource(self.dht, self.run)
         self.server = DashboardServer(self.source, cfg.host, cfg.port, cfg.refresh_s)
         self.url = ""

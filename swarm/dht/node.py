@@ -126,17 +126,18 @@ class SwarmDHT:
 
     # ---- run config ----
 
-    def publish_config(self, config_json: str, ttl: float) -> bool:
-        return self._store(self.key("config"), self.owner, config_json, get_dht_time() + ttl)
+    def publish_config(self, signed_config: str, ttl: float) -> bool:
+        """Store the run config (a signed envelope: swarm.cluster.runconfig) under this node's key."""
+        return self._store(self.key("config"), self.owner, signed_config, get_dht_time() + ttl)
 
-    def get_config_json(self) -> str | None:
+    def get_config_records(self) -> list[str]:
+        """Every run config published for this run, freshest first (anyone can publish one: the
+        reader keeps only one signed by the run's key)."""
         found = self._get(self.key("config"))
         if found is None or not isinstance(found.value, dict) or not found.value:
-            return None
+            return []
         items = sorted(found.value.items(), key=lambda kv: -kv[1].expiration_time)
-        if len({item.value for _, item in items}) > 1:
-            logger.warning("several run configs are published under %s; using the freshest", self.key("config"))
-        return items[0][1].value
+        return [item.value for _, item in items if isinstance(item.value, str)]
 
     # ---- events ----
 

@@ -14,6 +14,12 @@ from swarm.training.averaging import AveragingConfig
 class PeerConfig:
     run_id: str = setting(help="the run to join", metavar="RUN_ID")
     initial_peers: list[str] = setting(factory=list, help="DHT multiaddrs (the coordinator prints them)", cli=False)
+    run_key: str | None = setting(None, "fingerprint of the run's key: only a config it signed is accepted", cli=False)
+    allow_model: list[str] = setting(
+        factory=list,
+        help="custom model factories (PKG.MODULE:FUNCTION) this process may import if the run config names one",
+        metavar="FACTORY",
+    )
     stage: str = setting("auto", "stage index to serve, or auto: the stage with the least total throughput")
     host: str = setting("127.0.0.1", "interface for gRPC and the DHT (0.0.0.0 for all)")
     port: int = setting(0, "gRPC port (0: any free port)")

@@ -18,7 +18,7 @@ import signal
 
 import torch
 
-from swarm.cluster.runconfig import fetch_run_config
+from swarm.cluster.runconfig import fetch_signed_config
 from swarm.cluster.view import SwarmView
 from swarm.core.debug import LEAVE, FaultPlan, cpu_profile
 from swarm.core.errors import ConfigError
@@ -82,7 +82,10 @@ class Peer:
             cfg.run_id, cfg.initial_peers, host=cfg.host, port=cfg.dht_port, announce_host=cfg.announce_host
         )
         set_context(peer=self.dht.peer_id[-6:])
-        run = await loop.run_in_executor(None, fetch_run_config, self.dht, cfg.join_timeout_s)
+        signed = await loop.run_in_executor(
+            None, fetch_signed_config, self.dht, cfg.join_timeout_s, cfg.run_key, cfg.allow_model
+        )
+        run = signed.run
         self.serving = ServingState(run.run_id, self.dht.peer_id, __version__)
         self.serving.codec = codec_from_name(run.codec)
         self.serving.exact = run.exact
@@ -104,7 +107,10 @@ class Peer:
         await m.enter(await m.pick_stage())
         self.records.start()
         self.view.start(poll_stages={m.stage})
-        self._tasks = [asyncio.create_task(self._step_loop()), asyncio.create_task(self._config_keeper(run.to_json()))]
+        self._tasks = [
+            asyncio.create_task(self._step_loop()),
+            asyncio.create_task(self._config_keeper(signed.to_text())),
+        ]
         if run.sync == SyncMode.ASYNC and run.predict_params:
             self.partials = MatePartials(m, self.clients, run.run_id, max_bytes=cfg.max_state_bytes)
             self.view.info_listeners.append(self.partials.poll)  # fetch as soon as a mate's count grows
@@ -173,7 +179,7 @@ class Peer:
         while not self.stop_event.is_set():
             await asyncio.sleep(CONFIG_CHECK_S * self.membership.rng.uniform(1.0, 1.33))
             try:
-                if await loop.run_in_executor(None, self.dht.get_config_json) is None:
+                if not await loop.run_in_executor(None, self.dht.get_config_records):
                     await loop.run_in_executor(None, self.dht.publish_config, text, CONFIG_TTL_S)
                     logger.info("the run config record was gone; re-published it")
             except Exception as e:  # noqa: BLE001

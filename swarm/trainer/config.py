@@ -12,6 +12,12 @@ from swarm.core.settings import setting
 class TrainerConfig:
     run_id: str = setting(help="the run to join", metavar="RUN_ID")
     initial_peers: list[str] = setting(factory=list, help="DHT multiaddrs (the coordinator prints them)", cli=False)
+    run_key: str | None = setting(None, "fingerprint of the run's key: only a config it signed is accepted", cli=False)
+    allow_model: list[str] = setting(
+        factory=list,
+        help="custom model factories (PKG.MODULE:FUNCTION) this process may import if the run config names one",
+        metavar="FACTORY",
+    )
     steps: int = setting(60, "train until the swarm has applied this many optimizer steps")
     trainer_index: int = setting(0, "this trainer's data shard")
     num_trainers: int | None = setting(None, "number of data shards (default: the run config's)")

@@ -83,7 +83,9 @@ class Trainer:
             torch.set_num_threads(cfg.threads)
         self.dht = SwarmDHT(cfg.run_id, cfg.initial_peers, host=cfg.host, client_mode=True)  # main thread
         set_context(peer=self.trainer_id)
-        run = self.run = await loop.run_in_executor(None, fetch_run_config, self.dht, cfg.join_timeout_s)
+        run = self.run = await loop.run_in_executor(
+            None, fetch_run_config, self.dht, cfg.join_timeout_s, cfg.run_key, cfg.allow_model
+        )
         num_trainers = cfg.num_trainers or run.num_trainers
         if not 0 <= cfg.trainer_index < num_trainers:
             raise ConfigError(f"--trainer-index {cfg.trainer_index} outside 0..{num_trainers - 1}")
