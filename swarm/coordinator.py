@@ -13,6 +13,7 @@ import os
 import signal
 from dataclasses import dataclass
 
+from swarm.cluster.authority import self_credentials, serve_authority
 from swarm.cluster.runconfig import SignedConfig
 from swarm.core.keys import SigningKey
 from swarm.core.log import set_context
@@ -42,6 +43,12 @@ class CoordinatorConfig:
         help="multiaddrs of a running swarm, to restart its coordinator (default: start a new DHT)",
         metavar="MULTIADDR",
     )
+    private: bool = setting(False, "a private swarm: only members this coordinator admits may call peers or publish")
+    invite_file: str | None = setting(
+        None, "private: write the invitation members join with here (--invite FILE); default RUN_ID.invite.json"
+    )
+    allowlist: str | None = setting(None, "private: also admit the member keys in this file (base64, one a line)")
+    authority_port: int = setting(0, "private: port of the admission service (0: any free port)")
     run_key_path: str | None = setting(
         None,
         "the run's private key (created there if missing; keep it to restart the coordinator of the same run); "
@@ -64,8 +71,15 @@ async def run_coordinator(run: RunConfig, cfg: CoordinatorConfig) -> int:
         lambda ttl: dht.publish_config(text, ttl), CONFIG_PERIOD_S, CONFIG_TTL_S, name="config-announcer"
     )
     announcer.start()
-    dashboard = None
+    dashboard = authority = credentials = None
     try:
+        if run.private:
+            invite_file = cfg.invite_file or f"{run.run_id}.invite.json"
+            authority, _ = await serve_authority(
+                run.run_id, key, host, announce_host, cfg.authority_port, invite_file, cfg.allowlist
+            )
+            credentials = self_credentials(key, run.run_id, dht)
+            logger.info("private swarm: members join with --invite %s", invite_file)
         maddrs = dht.visible_maddrs()
         if announce_host:
             maddrs = [m for m in maddrs if f"/ip4/{announce_host}/" in m] or maddrs
@@ -76,8 +90,9 @@ async def run_coordinator(run: RunConfig, cfg: CoordinatorConfig) -> int:
             os.replace(tmp, cfg.maddrs_file)  # atomic: readers never see a half-written file
         if cfg.dashboard_port is not None:  # the same DHT node feeds it (created on this thread)
             dashboard = LiveDashboard(
-                run.run_id, maddrs, DashboardConfig(cfg.dashboard_host, cfg.dashboard_port), dht=dht, run=run
-            )
+                run.run_id, maddrs, DashboardConfig(cfg.dashboard_host, cfg.dashboard_port), dht=dht, run=run,
+                credentials=credentials,
+            )  # fmt: skip
             dashboard.start()
         ready = {
             "role": "coordinator",
@@ -88,15 +103,20 @@ async def run_coordinator(run: RunConfig, cfg: CoordinatorConfig) -> int:
         }
         if dashboard is not None:
             ready["dashboard"] = dashboard.url
+        if run.private:
+            ready["invite_file"] = os.path.abspath(cfg.invite_file or f"{run.run_id}.invite.json")
         print(READY_PREFIX + json.dumps(ready), flush=True)
         logger.info(
-            "run %s: join with  swarm peer --run-id %s --run-key %s --initial-peers %s",
-            run.run_id, run.run_id, key.fingerprint, " ".join(maddrs),
+            "run %s: join with  swarm peer --run-id %s --run-key %s%s --initial-peers %s",
+            run.run_id, run.run_id, key.fingerprint, f" --invite {ready['invite_file']}" if run.private else "",
+            " ".join(maddrs),
         )  # fmt: skip
         await stop.wait()
         return 0
     finally:
         if dashboard is not None:
             await loop.run_in_executor(None, dashboard.stop)
+        if authority is not None:
+            await authority.stop(grace=1.0)
         await loop.run_in_executor(None, announcer.stop)
         await loop.run_in_executor(None, dht.shutdown)

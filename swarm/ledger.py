@@ -16,8 +16,8 @@ import json
 import logging
 from pathlib import Path
 
+from swarm.cluster.authority import join_run
 from swarm.cluster.ledger import fetch_ledger
-from swarm.cluster.runconfig import fetch_run_config
 from swarm.cluster.view import SwarmView
 from swarm.core.errors import ConfigError
 from swarm.dht.node import SwarmDHT
@@ -50,14 +50,17 @@ async def _stage_entries(view: SwarmView, clients: ClientPool, run_id: str, stag
 
 
 async def collect(
-    run_id: str, initial_peers: list[str], run_key: str | None = None
+    run_id: str, initial_peers: list[str], run_key: str | None = None, invite: str | None = None
 ) -> tuple[RunConfig, list[LedgerEntry]]:
     """The run config and every live peer's ledger entries."""
     dht = SwarmDHT(run_id, initial_peers, client_mode=True)
     clients = ClientPool()
     loop = asyncio.get_running_loop()
     try:
-        run = await loop.run_in_executor(None, fetch_run_config, dht, CONFIG_TIMEOUT_S, run_key)
+        signed, keeper = await loop.run_in_executor(
+            None, join_run, dht, CONFIG_TIMEOUT_S, run_key, invite, "observer", clients
+        )
+        run = signed.run
         view = SwarmView(dht, run.num_stages, clients)
         await view.refresh_dht()
         await view.poll_info(None)

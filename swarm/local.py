@@ -55,6 +55,7 @@ class LocalOptions:
         None, "also serve the dashboard (read-only) on this port of 127.0.0.1 (0: any free port)"
     )
     env: dict[str, str] = setting(factory=dict, help="extra environment for every process", cli=False)
+    private: bool = setting(False, "a private swarm: every process joins with the coordinator's invitation")
 
     def layout(self) -> list[int]:
         layout = self.stage_layout or [self.peers_per_stage] * self.stages
@@ -114,6 +115,7 @@ class LocalSwarm:
         self.initial_peers: list[str] = []
         self.coordinator_argv: list[str] = []
         self.run_key: str | None = None  # the coordinator's, given to every process that joins
+        self.invite: str | None = str(self.log_dir / "invite.json") if opts.private else None
         self._lock = threading.Lock()
         self._counter = 0
         self._trainer_on_line = None
@@ -146,7 +148,7 @@ class LocalSwarm:
             self.coordinator_argv = self._cmd(
                 "coordinator", "--run-id", self.run_id, "--stages", str(self.opts.stages), "--host", self.opts.host,
                 "--num-trainers", str(self.opts.trainers), "--run-key-path", str(self.log_dir / "run.key"),
-                *self.opts.run_args,
+                *(["--private", "--invite-file", self.invite] if self.invite else []), *self.opts.run_args,
             )  # fmt: skip
         argv = self.coordinator_argv + (["--initial-peers", *join] if join else [])
         if self.coordinator is not None:
@@ -157,9 +159,14 @@ class LocalSwarm:
         self.run_key = ready["run_key"]
         return self.initial_peers
 
+    def join_args(self) -> list[str]:
+        """What a process needs to join this swarm (run id, key, invitation, DHT addresses)."""
+        invite = ["--invite", self.invite] if self.invite else []
+        return ["--run-id", self.run_id, "--run-key", self.run_key, *invite, "--initial-peers", *self.join_addresses()]
+
     def peer_argv(self, stage: int | str, extra: list[str] | None = None) -> list[str]:
         return self._cmd(
-            "peer", "--run-id", self.run_id, "--run-key", self.run_key, "--initial-peers", *self.join_addresses(),
+            "peer", *self.join_args(),
             "--stage", str(stage),
             "--host", self.opts.host, "--threads", str(self.opts.threads), *self.opts.peer_args, *(extra or []),
         )  # fmt: skip
@@ -185,7 +192,7 @@ class LocalSwarm:
 
     def trainer_argv(self, index: int) -> list[str]:
         return self._cmd(
-            "trainer", "--run-id", self.run_id, "--run-key", self.run_key, "--initial-peers", *self.join_addresses(),
+            "trainer", *self.join_args(),
             "--steps", str(self.opts.steps), "--trainer-index", str(index), "--num-trainers", str(self.opts.trainers),
             "--threads", str(self.opts.threads), "--host", self.opts.host, "--json-progress", "--no-progress-bar",
             *self.opts.trainer_args,
@@ -286,12 +293,15 @@ def run_local(opts: LocalOptions, as_json: bool = False) -> dict:
         print(f"run id: {swarm.run_id}", file=out, flush=True)
         print(f"coordinator: {' '.join(maddrs)}", file=out, flush=True)
         print(f"run key: {swarm.run_key}", file=out, flush=True)
-        attach = f"--run-id {swarm.run_id} --run-key {swarm.run_key} --initial-peers {maddrs[0]}"
+        invite = f" --invite {swarm.invite}" if swarm.invite else ""
+        attach = f"--run-id {swarm.run_id} --run-key {swarm.run_key}{invite} --initial-peers {maddrs[0]}"
         print(f"attach from another terminal:  swarm peer {attach}  (or swarm trainer / status / dashboard)", file=out)
         print(f"logs: {swarm.log_dir}/", file=out, flush=True)
         if opts.dashboard_port is not None:
             dashboard_cfg = DashboardConfig(port=opts.dashboard_port)
-            swarm.dashboard = LiveDashboard(swarm.run_id, maddrs, dashboard_cfg, run_key=swarm.run_key)
+            swarm.dashboard = LiveDashboard(
+                swarm.run_id, maddrs, dashboard_cfg, run_key=swarm.run_key, invite=swarm.invite
+            )
             swarm.dashboard.start()  # prints "dashboard: URL"
         layout = opts.layout()
         print(

@@ -6,7 +6,7 @@ import asyncio
 import json
 import sys
 
-from swarm.cluster.runconfig import fetch_run_config
+from swarm.cluster.authority import join_run
 from swarm.cluster.view import SwarmView, fallback_totals
 from swarm.core.errors import ConfigError
 from swarm.core.states import PeerState
@@ -18,14 +18,17 @@ CONFIG_TIMEOUT_S = 10.0
 
 
 async def collect_status(
-    run_id: str, initial_peers: list[str], max_events: int = 50, run_key: str | None = None
+    run_id: str, initial_peers: list[str], max_events: int = 50, run_key: str | None = None, invite: str | None = None
 ) -> dict:
     dht = SwarmDHT(run_id, initial_peers, client_mode=True)
     clients = ClientPool()
     try:
         loop = asyncio.get_running_loop()
         try:
-            run = await loop.run_in_executor(None, fetch_run_config, dht, CONFIG_TIMEOUT_S, run_key)
+            signed, keeper = await loop.run_in_executor(
+                None, join_run, dht, CONFIG_TIMEOUT_S, run_key, invite, "observer", clients
+            )
+            run = signed.run
         except ConfigError as e:
             raise SystemExit(f"swarm status: {e}") from None
         view = SwarmView(dht, run.num_stages, clients, info_timeout_s=3.0)
@@ -67,6 +70,7 @@ async def collect_status(
         events.sort(key=lambda e: e.get("time", 0))
         return {
             "run_id": run_id,
+            "security": "private" if run.private else "open",
             "step": view.global_step(),
             "stages": stages,
             "bottleneck": bottleneck,
@@ -80,7 +84,8 @@ async def collect_status(
 
 def print_status(status: dict, out=sys.stdout) -> None:
     print(
-        f"run {status['run_id']}  step {status['step']}  swarm throughput {status['swarm_throughput']:.1f} samples/s",
+        f"run {status['run_id']} ({status.get('security', 'open')} swarm)  step {status['step']}  "
+        f"swarm throughput {status['swarm_throughput']:.1f} samples/s",
         file=out,
     )
     for st in status["stages"]:

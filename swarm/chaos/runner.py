@@ -157,7 +157,7 @@ def _stop_trainers(swarm: LocalSwarm) -> list[dict]:
 
 def _collect(swarm: LocalSwarm):
     try:
-        return asyncio.run(collect(swarm.run_id, swarm.join_addresses()))
+        return asyncio.run(collect(swarm.run_id, swarm.join_addresses(), swarm.run_key, swarm.invite))
     except Exception as e:  # noqa: BLE001 - the ledger files are read anyway
         logger.warning("reading the live peers' ledgers failed: %s", e)
         return None, []

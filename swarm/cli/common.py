@@ -40,6 +40,11 @@ def add_join_args(p: argparse.ArgumentParser) -> None:
         help="the fingerprint of the run's key (the coordinator prints it): only a config it signed is accepted",
     )
     p.add_argument(
+        "--invite",
+        metavar="FILE",
+        help="a private swarm's invitation (its coordinator's --invite-file): this process asks to be admitted",
+    )
+    p.add_argument(
         "--initial-peers-file",
         metavar="PATH",
         help="read the multiaddrs from this file (the coordinator's --maddrs-file), waiting for it to appear",

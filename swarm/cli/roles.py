@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import uuid
 
 from swarm.cli.common import add_join_args, initial_peers, install_uvloop
@@ -39,8 +40,11 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         run = RunConfig.from_json(args.config_json)
     else:
         run = build_run_config(args, args.run_id or f"run-{uuid.uuid4().hex[:8]}", args.stages, args.num_trainers)
+    cfg = from_args(CoordinatorConfig, args)
+    if cfg.private != run.private:  # the flag decides; a --config-json's own field is overridden
+        run = dataclasses.replace(run, private=cfg.private)
     install_uvloop()
-    return asyncio.run(run_coordinator(run, from_args(CoordinatorConfig, args)))
+    return asyncio.run(run_coordinator(run, cfg))
 
 
 def add_peer_parser(sub) -> None:
@@ -63,7 +67,8 @@ def cmd_peer(args: argparse.Namespace) -> int:
     setup_logging("peer", args.log_level)
     try:
         averaging = from_args(AveragingConfig, args)
-        cfg = from_args(PeerConfig, args, initial_peers=initial_peers(args), averaging=averaging, run_key=args.run_key)
+        joins = {"initial_peers": initial_peers(args), "run_key": args.run_key, "invite": args.invite}
+        cfg = from_args(PeerConfig, args, averaging=averaging, **joins)
         faults = fault_plan_from_args(args)
     except ValueError as e:
         raise SystemExit(f"swarm peer: {e}") from None
@@ -85,7 +90,7 @@ def cmd_trainer(args: argparse.Namespace) -> int:
     from swarm.trainer.loop import run_trainer
 
     setup_logging("trainer", args.log_level)
-    cfg = from_args(TrainerConfig, args, initial_peers=initial_peers(args), run_key=args.run_key)
+    cfg = from_args(TrainerConfig, args, initial_peers=initial_peers(args), run_key=args.run_key, invite=args.invite)
     install_uvloop()
     asyncio.run(run_trainer(cfg))
     return 0

@@ -123,7 +123,7 @@ def add_dashboard_parser(sub) -> None:
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
-    from swarm.cluster.runconfig import fetch_run_config
+    from swarm.cluster.authority import join_run
     from swarm.dashboard.collector import LiveSource
     from swarm.dashboard.live import CONFIG_TIMEOUT_S, DashboardConfig
     from swarm.dashboard.server import serve_forever
@@ -132,13 +132,19 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     setup_logging("dashboard", args.log_level or "WARNING")
     cfg = from_args(DashboardConfig, args)
     dht = SwarmDHT(args.run_id, initial_peers(args), client_mode=True)  # on the main thread: it outlives the DHT
+    keeper = None
     try:
-        source = LiveSource(dht, fetch_run_config(dht, CONFIG_TIMEOUT_S, args.run_key))
+        signed, keeper = join_run(dht, CONFIG_TIMEOUT_S, args.run_key, args.invite, "observer")
+        source = LiveSource(dht, signed.run)
+        if keeper is not None:
+            source.clients.credentials = keeper.credentials
         ready = lambda url: print(f"dashboard: {url}", flush=True)  # noqa: E731
         asyncio.run(serve_forever(source, cfg.host, cfg.port, cfg.refresh_s, on_ready=ready))
     except KeyboardInterrupt:
         pass
     finally:
+        if keeper is not None:
+            keeper.stop()
         dht.shutdown()
     return 0
 
@@ -154,7 +160,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     from swarm.status import collect_status, print_status
 
     setup_logging("status", args.log_level or "WARNING")
-    status = asyncio.run(collect_status(args.run_id, initial_peers(args), run_key=args.run_key))
+    status = asyncio.run(collect_status(args.run_id, initial_peers(args), run_key=args.run_key, invite=args.invite))
     if args.json:
         print(json.dumps(status))
     else:
@@ -181,7 +187,7 @@ def cmd_ledger(args: argparse.Namespace) -> int:
     from swarm.policy.ledger import format_report
 
     setup_logging("ledger", args.log_level or "WARNING")
-    run, entries = asyncio.run(collect(args.run_id, initial_peers(args), args.run_key))
+    run, entries = asyncio.run(collect(args.run_id, initial_peers(args), args.run_key, args.invite))
     if args.ledger_dir:
         entries += read_ledger_dir(args.ledger_dir)
     assignments = read_sample_logs(args.sample_logs) if args.sample_logs else None

@@ -170,7 +170,7 @@ class LiveSource:
         vals = [t.val_loss for t in fresh if t.val_loss is not None]
         self._record_history(wall, step, losses, vals, sps, stages)
         run = {**self.run.to_dict(), "model": _model_name(self.run.model), "model_spec": self.run.model}
-        run["security"] = "open"
+        run["security"] = "private" if self.run.private else "open"
         uptime = max((s.uptime_s for s in self.view.peers.values()), default=0.0)
         return {
             "run": run,

@@ -9,12 +9,14 @@ import logging
 import sys
 from dataclasses import dataclass
 
-from swarm.cluster.runconfig import fetch_run_config
+from swarm.cluster.authority import secure
+from swarm.cluster.runconfig import fetch_signed_config
 from swarm.core.settings import setting
 from swarm.dashboard.collector import LiveSource
 from swarm.dashboard.server import DashboardServer
 from swarm.dht.node import SwarmDHT
 from swarm.training.config import RunConfig
+from swarm.wire.auth import MemberCredentials
 
 logger = logging.getLogger(__name__)
 
@@ -39,11 +41,22 @@ class LiveDashboard:
         dht: SwarmDHT | None = None,
         run: RunConfig | None = None,
         run_key: str | None = None,
+        credentials: MemberCredentials | None = None,
+        invite: str | None = None,
     ) -> None:
+        """Either a DHT node and the run's config (the coordinator's own), or join with `run_key` and,
+        for a private swarm, `invite` (or ready `credentials`)."""
         self.own_dht = dht is None
         self.dht = dht or SwarmDHT(run_id, initial_peers, client_mode=True)
-        self.run = run or fetch_run_config(self.dht, CONFIG_TIMEOUT_S, run_key)
+        self.keeper = None
+        if run is None:
+            signed = fetch_signed_config(self.dht, CONFIG_TIMEOUT_S, run_key)
+            run = signed.run
+            self.keeper = secure(self.dht, signed, invite, "observer")
+            credentials = credentials or (self.keeper.credentials if self.keeper else None)
+        self.run = run
         self.source = LiveSource(self.dht, self.run)
+        self.source.clients.credentials = credentials
         self.server = DashboardServer(self.source, cfg.host, cfg.port, cfg.refresh_s)
         self.url = ""
 
@@ -54,5 +67,7 @@ class LiveDashboard:
 
     def stop(self) -> None:
         self.server.stop()
+        if self.keeper is not None:
+            self.keeper.stop()
         if self.own_dht:
             self.dht.shutdown()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import pydantic.v1 as pydantic
 from hivemind.dht import DHT
@@ -58,6 +59,10 @@ class SwarmDHT:
     ) -> None:
         self.run_id = run_id
         self.timeout = timeout
+        # a private swarm: this member's certificate goes into every record it writes, and records
+        # whose (owner, certificate) the filter refuses are ignored (swarm.cluster.authority)
+        self.cert_source: Callable[[], str] | None = None
+        self.member_filter: Callable[[bytes, str | None], bool] | None = None
         self.signer = RSASignatureValidator()
         self.owner = self.signer.local_public_key
         validators = [SchemaValidator(SwarmSchema, allow_extra_keys=True, prefix=run_id), self.signer]
@@ -104,8 +109,15 @@ class SwarmDHT:
 
     # ---- stage records ----
 
+    def _cert(self) -> str | None:
+        return None if self.cert_source is None else self.cert_source()
+
+    def _accepted(self, owner: bytes, cert: str | None) -> bool:
+        return self.member_filter is None or self.member_filter(owner, cert)
+
     def announce_peer(self, stage: int, record: PeerRecord, ttl: float) -> bool:
-        return self._store(self.stage_key(stage), self.owner, record.dict(), get_dht_time() + ttl)
+        value = {**record.dict(), "cert": self._cert()}
+        return self._store(self.stage_key(stage), self.owner, value, get_dht_time() + ttl)
 
     def _entries(self, key: str, found) -> list[PeerEntry]:
         entries: list[PeerEntry] = []
@@ -113,9 +125,12 @@ class SwarmDHT:
             return entries
         for owner, item in found.value.items():
             try:
-                entries.append(PeerEntry(owner, PeerRecord.parse_obj(item.value), item.expiration_time))
+                record = PeerRecord.parse_obj(item.value)
             except pydantic.ValidationError:
                 logger.warning("ignoring a malformed record under %s", key)
+                continue
+            if self._accepted(owner, record.cert):
+                entries.append(PeerEntry(owner, record, item.expiration_time))
         return entries
 
     def get_all_stages(self, num_stages: int) -> dict[int, list[PeerEntry]]:
@@ -142,7 +157,7 @@ class SwarmDHT:
     # ---- events ----
 
     def publish_events(self, events: list[str], ttl: float) -> bool:
-        record = EventRecord(events=events[-16:])
+        record = EventRecord(events=events[-16:], cert=self._cert())
         return self._store(self.key("events"), self.owner, record.dict(), get_dht_time() + ttl)
 
     def get_events(self) -> list[str]:
@@ -150,28 +165,34 @@ class SwarmDHT:
         if found is None or not isinstance(found.value, dict):
             return []
         events: list[str] = []
-        for _, item in found.value.items():
+        for owner, item in found.value.items():
             try:
-                events.extend(EventRecord.parse_obj(item.value).events)
+                record = EventRecord.parse_obj(item.value)
             except pydantic.ValidationError:
                 continue
+            if self._accepted(owner, record.cert):
+                events.extend(record.events)
         return events
 
     # ---- trainers' metrics ----
 
     def publish_trainer(self, record: TrainerRecord, ttl: float) -> bool:
-        return self._store(self.key("trainers"), self.owner, record.dict(), get_dht_time() + ttl)
+        value = {**record.dict(), "cert": self._cert()}
+        return self._store(self.key("trainers"), self.owner, value, get_dht_time() + ttl)
 
     def get_trainers(self) -> list[TrainerRecord]:
         found = self._get(self.key("trainers"))
         if found is None or not isinstance(found.value, dict):
             return []
         out = []
-        for _, item in found.value.items():
+        for owner, item in found.value.items():
             try:
-                out.append(TrainerRecord.parse_obj(item.value))
+                record = TrainerRecord.parse_obj(item.value)
             except pydantic.ValidationError:
                 logger.warning("ignoring a malformed trainer record under %s", self.key("trainers"))
+                continue
+            if self._accepted(owner, record.cert):
+                out.append(record)
         return out
 
     def shutdown(self) -> None:

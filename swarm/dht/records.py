@@ -12,6 +12,7 @@ import pydantic.v1 as pydantic
 from swarm.core.states import PeerState
 
 MAX_STAGES = 64
+_Cert = pydantic.constr(strict=True, max_length=2000)
 
 
 class PeerRecord(pydantic.BaseModel):
@@ -25,6 +26,7 @@ class PeerRecord(pydantic.BaseModel):
     step: pydantic.conint(strict=True, ge=0)
     version: pydantic.constr(strict=True, max_length=40)
     device: pydantic.constr(strict=True, max_length=40) = "cpu"
+    cert: _Cert | None = None  # a private swarm's membership certificate (swarm.core.auth)
 
     class Config:
         extra = pydantic.Extra.forbid
@@ -37,6 +39,7 @@ class PeerRecord(pydantic.BaseModel):
 
 class EventRecord(pydantic.BaseModel):
     events: pydantic.conlist(pydantic.constr(strict=True, max_length=400), max_items=16)
+    cert: _Cert | None = None
 
     class Config:
         extra = pydantic.Extra.forbid
@@ -60,6 +63,7 @@ class TrainerRecord(pydantic.BaseModel):
         max_items=16,
     ) = []
     time: pydantic.confloat(strict=True, ge=0.0) = 0.0
+    cert: _Cert | None = None
 
     class Config:
         extra = pydantic.Extra.forbid

@@ -18,8 +18,10 @@ import signal
 
 import torch
 
+from swarm.cluster.authority import secure
 from swarm.cluster.runconfig import fetch_signed_config
 from swarm.cluster.view import SwarmView
+from swarm.core.auth import Verifier
 from swarm.core.debug import LEAVE, FaultPlan, cpu_profile
 from swarm.core.errors import ConfigError
 from swarm.core.log import set_context
@@ -71,6 +73,7 @@ class Peer:
         self.membership: Membership | None = None
         self.partials: MatePartials | None = None
         self._tasks: list[asyncio.Task] = []
+        self.keeper = None  # a private swarm's certificate keeper
 
     async def start(self) -> None:
         cfg = self.cfg
@@ -86,6 +89,10 @@ class Peer:
             None, fetch_signed_config, self.dht, cfg.join_timeout_s, cfg.run_key, cfg.allow_model
         )
         run = signed.run
+        self.keeper = await loop.run_in_executor(None, secure, self.dht, signed, cfg.invite, "peer")
+        if self.keeper is not None:  # a private swarm: every call carries this member's certificate
+            self.clients.credentials = self.keeper.credentials
+        verifier = Verifier(run.run_id, signed.key) if run.private else None
         self.serving = ServingState(run.run_id, self.dht.peer_id, __version__)
         self.serving.codec = codec_from_name(run.codec)
         self.serving.exact = run.exact
@@ -96,7 +103,8 @@ class Peer:
             max_steps_ahead=ahead,
             stream_read_timeout_s=cfg.stream_read_timeout_s,
         )
-        self.server, port = await start_server(StageService(self.serving, limits), cfg.host, cfg.port, limits)
+        service = StageService(self.serving, limits)
+        self.server, port = await start_server(service, cfg.host, cfg.port, limits, verifier)
         self.view = SwarmView(self.dht, run.num_stages, self.clients, exclude_peer=self.dht.peer_id)
         self.records = PeerRecords(self.dht, self.serving, self.device.type, cfg.announce_period_s, cfg.record_ttl_s)
         self.records.address = f"{cfg.announce_host or cfg.host}:{port}"
@@ -229,6 +237,8 @@ class Peer:
         if m is not None and m.runtime is not None:
             await m.runtime.stop()
         await self.clients.close()
+        if self.keeper is not None:
+            self.keeper.stop()
         if self.dht is not None:
             await loop.run_in_executor(None, self.dht.shutdown)
         logger.info("stopped")

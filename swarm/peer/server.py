@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from swarm.core.auth import Verifier
 from swarm.core.errors import (
     NotServing,
     Overloaded,
@@ -38,6 +39,7 @@ from swarm.peer.state_transfer import StateSnapshots
 from swarm.peer.streaming import StreamedRequest
 from swarm.training.models import StageSchema
 from swarm.wire import codec, messages
+from swarm.wire.auth import ServerAuth
 from swarm.wire.codec import WireError
 from swarm.wire.options import server_options
 from swarm.wire.protocol import pb
@@ -309,10 +311,14 @@ class StageService:
         )
 
 
-async def start_server(service: StageService, host: str, port: int, limits: Limits) -> tuple[grpc.aio.Server, int]:
+async def start_server(
+    service: StageService, host: str, port: int, limits: Limits, verifier: Verifier | None = None
+) -> tuple[grpc.aio.Server, int]:
+    """Serve `service` (in a private swarm, `verifier` checks every call's membership first)."""
     # no gRPC-wide cap on concurrent calls: Info must always get through (a dashboard, the trainers'
     # views); Forward/Backward/streams/GetState have their own bounds (swarm.peer.admission)
-    server = grpc.aio.server(options=server_options(limits.max_message_bytes))
+    interceptors = [ServerAuth(verifier)] if verifier is not None else None
+    server = grpc.aio.server(options=server_options(limits.max_message_bytes), interceptors=interceptors)
     server.add_generic_rpc_handlers((service.handler(),))
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:

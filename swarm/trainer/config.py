@@ -13,6 +13,7 @@ class TrainerConfig:
     run_id: str = setting(help="the run to join", metavar="RUN_ID")
     initial_peers: list[str] = setting(factory=list, help="DHT multiaddrs (the coordinator prints them)", cli=False)
     run_key: str | None = setting(None, "fingerprint of the run's key: only a config it signed is accepted", cli=False)
+    invite: str | None = setting(None, "a private swarm's invitation file", cli=False)
     allow_model: list[str] = setting(
         factory=list,
         help="custom model factories (PKG.MODULE:FUNCTION) this process may import if the run config names one",

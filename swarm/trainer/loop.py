@@ -22,7 +22,8 @@ import time
 
 import torch
 
-from swarm.cluster.runconfig import fetch_run_config
+from swarm.cluster.authority import secure
+from swarm.cluster.runconfig import fetch_signed_config
 from swarm.cluster.view import SwarmView, fallback_totals
 from swarm.core.errors import ConfigError
 from swarm.core.log import set_context
@@ -73,6 +74,7 @@ class Trainer:
         self.view: SwarmView | None = None
         self.run: RunConfig | None = None
         self.metrics: Announcer | None = None
+        self.keeper = None  # a private swarm's certificate keeper
 
     # ---- setup ----
 
@@ -83,9 +85,13 @@ class Trainer:
             torch.set_num_threads(cfg.threads)
         self.dht = SwarmDHT(cfg.run_id, cfg.initial_peers, host=cfg.host, client_mode=True)  # main thread
         set_context(peer=self.trainer_id)
-        run = self.run = await loop.run_in_executor(
-            None, fetch_run_config, self.dht, cfg.join_timeout_s, cfg.run_key, cfg.allow_model
+        signed = await loop.run_in_executor(
+            None, fetch_signed_config, self.dht, cfg.join_timeout_s, cfg.run_key, cfg.allow_model
         )
+        run = self.run = signed.run
+        self.keeper = await loop.run_in_executor(None, secure, self.dht, signed, cfg.invite, "trainer")
+        if self.keeper is not None:  # a private swarm: every call carries this member's certificate
+            self.clients.credentials = self.keeper.credentials
         num_trainers = cfg.num_trainers or run.num_trainers
         if not 0 <= cfg.trainer_index < num_trainers:
             raise ConfigError(f"--trainer-index {cfg.trainer_index} outside 0..{num_trainers - 1}")
@@ -125,6 +131,8 @@ class Trainer:
             await asyncio.get_running_loop().run_in_executor(None, self.dht.shutdown)
         if self._sample_log is not None:
             self._sample_log.close()
+        if self.keeper is not None:
+            self.keeper.stop()
         self.reporter.close()
 
     async def wait_for_stages(self) -> int:

@@ -110,6 +110,9 @@ class RunConfig:
     )
     num_trainers: int = setting(1, "trainers, for disjoint data sharding and each one's share of a batch", cli=False)
     max_batch: int = setting(256, "largest batch a peer accepts in one request")
+    private: bool = setting(
+        False, "a private swarm: only members the coordinator admitted may call peers or write records", cli=False
+    )
     version: str = setting(__version__, "the swarm version that wrote it", cli=False)
 
     def __post_init__(self) -> None:

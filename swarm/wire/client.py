@@ -8,6 +8,7 @@ import grpc
 from google.protobuf.message import Message
 
 from swarm.wire import stream
+from swarm.wire.auth import ClientAuth, MemberCredentials
 from swarm.wire.messages import parse
 from swarm.wire.options import MiB, channel_options
 from swarm.wire.protocol import pb
@@ -26,11 +27,16 @@ class StageClient:
         address: str,
         max_message_bytes: int = 256 * MiB,
         stream_threshold: int = DEFAULT_STREAM_THRESHOLD,
+        credentials: MemberCredentials | None = None,
     ) -> None:
         self.address = address
         self.max_message_bytes = max_message_bytes
         self.stream_threshold = stream_threshold
-        self.channel = grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes))
+        # in a private swarm every call carries the member's certificate and signature
+        interceptors = [ClientAuth(credentials)] if credentials is not None else None
+        self.channel = grpc.aio.insecure_channel(
+            address, options=channel_options(max_message_bytes), interceptors=interceptors
+        )
         ser = lambda m: m.SerializeToString()  # noqa: E731
         self._info = self.channel.unary_unary(
             "/swarm.Stage/Info", request_serializer=ser, response_deserializer=pb.InfoResponse.FromString

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from swarm.wire.auth import MemberCredentials
 from swarm.wire.client import DEFAULT_STREAM_THRESHOLD, StageClient
 from swarm.wire.options import MiB
 
@@ -14,12 +15,15 @@ class ClientPool:
     def __init__(self, max_message_bytes: int = 256 * MiB, stream_threshold: int = DEFAULT_STREAM_THRESHOLD) -> None:
         self.max_message_bytes = max_message_bytes
         self.stream_threshold = stream_threshold
+        self.credentials: MemberCredentials | None = None  # set once before the first call: a private swarm
         self._clients: dict[str, StageClient] = {}
 
     def get(self, address: str) -> StageClient:
         client = self._clients.get(address)
         if client is None:
-            client = self._clients[address] = StageClient(address, self.max_message_bytes, self.stream_threshold)
+            client = self._clients[address] = StageClient(
+                address, self.max_message_bytes, self.stream_threshold, self.credentials
+            )
         return client
 
     async def close(self) -> None:

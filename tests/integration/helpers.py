@@ -132,7 +132,7 @@ def ledger_report(swarm, sample_logs: str | None = None):
     """The ledger check of a live local swarm (swarm.ledger), against the trainers' sample logs."""
     from swarm.ledger import check_run, collect, read_sample_logs
 
-    run, entries = asyncio.run(collect(swarm.run_id, swarm.initial_peers))
+    run, entries = asyncio.run(collect(swarm.run_id, swarm.initial_peers, swarm.run_key, swarm.invite))
     return check_run(run, entries, read_sample_logs([sample_logs]) if sample_logs else None)
 
 

@@ -12,7 +12,7 @@ from tests.integration.helpers import assert_ledger_exact, info, run_args, start
 
 
 def status(swarm) -> dict:
-    return asyncio.run(collect_status(swarm.run_id, swarm.join_addresses()))
+    return asyncio.run(collect_status(swarm.run_id, swarm.join_addresses(), run_key=swarm.run_key, invite=swarm.invite))
 
 
 def events_of(swarm, kind: str) -> list[dict]:

@@ -1,0 +1,122 @@
+"""Authenticated calls in a private swarm: a client interceptor that puts the member's certificate and
+a fresh signature on every call, and a server interceptor that refuses any call without a valid one
+(UNAUTHENTICATED), before its handler runs (swarm.core.auth holds the checks)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+
+import grpc
+
+from swarm.core.auth import AuthError, CallProof, Verifier
+from swarm.core.keys import SigningKey, b64, unb64
+
+logger = logging.getLogger(__name__)
+
+CERT_KEY = "swarm-cert"
+CALL_KEY = "swarm-call"
+
+
+class MemberCredentials:
+    """A member's key and its current certificate (replaced when renewed, from another thread)."""
+
+    def __init__(self, key: SigningKey, certificate: str = "") -> None:
+        self.key = key
+        self._certificate = certificate
+        self._lock = threading.Lock()
+
+    @property
+    def certificate(self) -> str:
+        with self._lock:
+            return self._certificate
+
+    @certificate.setter
+    def certificate(self, text: str) -> None:
+        with self._lock:
+            self._certificate = text
+
+    def metadata(self, method: str) -> tuple[tuple[str, str], ...]:
+        proof = CallProof.make(self.key, self.certificate, method)
+        call = json.dumps({"ts": proof.ts, "nonce": b64(proof.nonce), "sig": b64(proof.signature)})
+        return ((CERT_KEY, proof.cert), (CALL_KEY, call))
+
+
+def _method(details) -> str:
+    method = details.method
+    return method.decode() if isinstance(method, bytes) else method
+
+
+class ClientAuth(
+    grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor, grpc.aio.StreamStreamClientInterceptor
+):
+    """Signs every call of a channel with the member's credentials."""
+
+    def __init__(self, credentials: MemberCredentials) -> None:
+        self.credentials = credentials
+
+    def _details(self, details):
+        metadata = [*(details.metadata or ()), *self.credentials.metadata(_method(details))]
+        return grpc.aio.ClientCallDetails(
+            details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
+        )
+
+    async def intercept_unary_unary(self, continuation, client_call_details, request):
+        return await continuation(self._details(client_call_details), request)
+
+    async def intercept_unary_stream(self, continuation, client_call_details, request):
+        return await continuation(self._details(client_call_details), request)
+
+    async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        return await continuation(self._details(client_call_details), request_iterator)
+
+
+def proof_of(metadata) -> CallProof:
+    values = dict(metadata or ())
+    if CERT_KEY not in values or CALL_KEY not in values:
+        raise AuthError("no membership certificate on the call (this is a private swarm)")
+    try:
+        call = json.loads(values[CALL_KEY])
+        return CallProof(str(values[CERT_KEY]), float(call["ts"]), unb64(call["nonce"]), unb64(call["sig"]))
+    except (ValueError, KeyError, TypeError) as e:
+        raise AuthError(f"malformed call signature: {e}") from None
+
+
+def _deny(handler: grpc.RpcMethodHandler, why: str) -> grpc.RpcMethodHandler:
+    """A handler of the same shape that answers UNAUTHENTICATED."""
+
+    async def unary(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
+
+    async def streaming(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
+        yield b""  # pragma: no cover - abort raises
+
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(streaming)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(streaming)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(unary)
+    return grpc.unary_unary_rpc_method_handler(unary)
+
+
+class ServerAuth(grpc.aio.ServerInterceptor):
+    """Refuses every call that does not carry a valid member's proof."""
+
+    def __init__(self, verifier: Verifier) -> None:
+        self.verifier = verifier
+        self.refused = 0
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        try:
+            self.verifier.check_call(proof_of(handler_call_details.invocation_metadata), _method(handler_call_details))
+        except AuthError as e:
+            self.refused += 1
+            logger.debug("refused %s: %s", _method(handler_call_details), e)
+            return _deny(handler, str(e))
+        return handler
