@@ -56,6 +56,20 @@ class CoordinatorConfig:
     )
 
 
+def _publish_maddrs(dht: SwarmDHT, announce_host: str | None, maddrs_file: str | None) -> list[str]:
+    """The multiaddrs others join through (on the announced host if one is given), also written to
+    `maddrs_file` atomically: readers never see a half-written file."""
+    maddrs = dht.visible_maddrs()
+    if announce_host:
+        maddrs = [m for m in maddrs if f"/ip4/{announce_host}/" in m] or maddrs
+    if maddrs_file:
+        tmp = f"{maddrs_file}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            f.write("\n".join(maddrs) + "\n")
+        os.replace(tmp, maddrs_file)
+    return maddrs
+
+
 async def run_coordinator(run: RunConfig, cfg: CoordinatorConfig) -> int:
     key = SigningKey.load_or_create(cfg.run_key_path) if cfg.run_key_path else SigningKey.generate()
     text = SignedConfig.sign(run, key).to_text()  # validates the config's size before anything starts
@@ -80,14 +94,7 @@ async def run_coordinator(run: RunConfig, cfg: CoordinatorConfig) -> int:
             )
             credentials = self_credentials(key, run.run_id, dht)
             logger.info("private swarm: members join with --invite %s", invite_file)
-        maddrs = dht.visible_maddrs()
-        if announce_host:
-            maddrs = [m for m in maddrs if f"/ip4/{announce_host}/" in m] or maddrs
-        if cfg.maddrs_file:
-            tmp = f"{cfg.maddrs_file}.{os.getpid()}.tmp"
-            with open(tmp, "w") as f:
-                f.write("\n".join(maddrs) + "\n")
-            os.replace(tmp, cfg.maddrs_file)  # atomic: readers never see a half-written file
+        maddrs = _publish_maddrs(dht, announce_host, cfg.maddrs_file)
         if cfg.dashboard_port is not None:  # the same DHT node feeds it (created on this thread)
             dashboard = LiveDashboard(
                 run.run_id, maddrs, DashboardConfig(cfg.dashboard_host, cfg.dashboard_port), dht=dht, run=run,

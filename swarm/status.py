@@ -14,7 +14,34 @@ from swarm.dht.node import SwarmDHT
 from swarm.wire.pool import ClientPool
 
 UNREACHABLE = "unreachable"  # listed as serving, but its Info polls fail
+ACCUSED = "accused"  # a trainer caught it answering differently from its mates: it gets no work
 CONFIG_TIMEOUT_S = 10.0
+
+
+def _stage_status(view: SwarmView, k: int) -> dict:
+    peers = []
+    for s in sorted(view.peers.values(), key=lambda s: s.peer_id):
+        if s.stage != k or s.record_state == PeerState.OFFLINE:
+            continue
+        # a peer listed as serving that stopped answering is unreachable; a joining one says why it waits
+        unreachable = s.record_state.serving and not view.is_live(s)
+        state = ACCUSED if s.peer_id in view.accused else UNREACHABLE if unreachable else s.record_state.value
+        peers.append(
+            {
+                "id": s.peer_id,
+                "state": state,
+                "throughput": round(s.load.throughput, 3),
+                "address": s.load.address,
+                "step": s.step,
+                "queue": int(s.load.reported_queue),
+                "note": s.note,
+                "fallbacks": s.fallbacks,
+            }
+        )
+    total = sum(p["throughput"] for p in peers if p["state"] == PeerState.ONLINE)
+    notes = sorted({p["note"] for p in peers if p["note"]})
+    fallbacks = fallback_totals(s for s in view.peers.values() if s.stage == k)
+    return {"index": k, "peers": peers, "throughput": round(total, 3), "notes": notes, "fallbacks": fallbacks}
 
 
 async def collect_status(
@@ -34,32 +61,7 @@ async def collect_status(
         view = SwarmView(dht, run.num_stages, clients, info_timeout_s=3.0)
         await view.refresh_dht()
         await view.poll_info(None)
-        stages = []
-        for k in range(run.num_stages):
-            peers = []
-            for s in sorted(view.peers.values(), key=lambda s: s.peer_id):
-                if s.stage != k or s.record_state == PeerState.OFFLINE:
-                    continue
-                # a peer listed as serving that stopped answering is unreachable; a joining one says why it waits
-                unreachable = s.record_state.serving and not view.is_live(s)
-                peers.append(
-                    {
-                        "id": s.peer_id,
-                        "state": UNREACHABLE if unreachable else s.record_state.value,
-                        "throughput": round(s.load.throughput, 3),
-                        "address": s.load.address,
-                        "step": s.step,
-                        "queue": int(s.load.reported_queue),
-                        "note": s.note,
-                        "fallbacks": s.fallbacks,
-                    }
-                )
-            total = sum(p["throughput"] for p in peers if p["state"] == PeerState.ONLINE)
-            notes = sorted({p["note"] for p in peers if p["note"]})
-            fallbacks = fallback_totals(s for s in view.peers.values() if s.stage == k)
-            stages.append(
-                {"index": k, "peers": peers, "throughput": round(total, 3), "notes": notes, "fallbacks": fallbacks}
-            )
+        stages = [_stage_status(view, k) for k in range(run.num_stages)]
         bottleneck = min(stages, key=lambda st: st["throughput"])["index"] if stages else None
         events = []
         for raw in await loop.run_in_executor(None, dht.get_events):

@@ -10,7 +10,7 @@ import uuid
 
 from swarm.cli.common import add_join_args, initial_peers, install_uvloop
 from swarm.cli.run_options import add_run_options, build_run_config
-from swarm.core.debug import add_debug_args, fault_plan_from_args
+from swarm.core.debug import add_debug_args, fault_plan_from_args, lie_plan_from_args
 from swarm.core.log import setup_logging
 from swarm.core.settings import add_settings, default_of, from_args
 
@@ -70,10 +70,11 @@ def cmd_peer(args: argparse.Namespace) -> int:
         joins = {"initial_peers": initial_peers(args), "run_key": args.run_key, "invite": args.invite}
         cfg = from_args(PeerConfig, args, averaging=averaging, **joins)
         faults = fault_plan_from_args(args)
+        lie = lie_plan_from_args(args)
     except ValueError as e:
         raise SystemExit(f"swarm peer: {e}") from None
     install_uvloop()
-    return asyncio.run(run_peer(cfg, faults, args.profile_dir))
+    return asyncio.run(run_peer(cfg, faults, args.profile_dir, lie))
 
 
 def add_trainer_parser(sub) -> None:

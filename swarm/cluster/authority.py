@@ -164,11 +164,11 @@ class CertificateKeeper:
 
 
 def member_filter(run_id: str, run_key: bytes):
-    """For SwarmDHT.member_filter: a record counts only if its certificate is valid and names the
-    record's owner (non-members' records are ignored)."""
+    """For SwarmDHT.member_filter: a record counts only if its certificate is valid, names the
+    record's owner (non-members' records are ignored) and, where `roles` are given, one of them."""
     cache: dict[str, Certificate] = {}
 
-    def accept(owner: bytes, cert_text: str | None) -> bool:
+    def accept(owner: bytes, cert_text: str | None, roles: tuple[str, ...] | None = None) -> bool:
         if not cert_text:
             return False
         try:
@@ -179,7 +179,7 @@ def member_filter(run_id: str, run_key: bytes):
         if len(cache) > 4096:
             cache.clear()
         cache[cert_text] = cert
-        return cert.dht_owner == owner
+        return cert.dht_owner == owner and (roles is None or cert.role in roles)
 
     return accept
 

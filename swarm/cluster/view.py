@@ -20,7 +20,7 @@ import grpc
 from swarm.core.settings import DHT_REFRESH_S, INFO_PERIOD_S, INFO_TIMEOUT_S, LIVENESS_WINDOW_S
 from swarm.core.states import PeerState
 from swarm.dht.node import SwarmDHT
-from swarm.dht.records import PeerEntry
+from swarm.dht.records import Accusation, AccusationRecord, PeerEntry
 from swarm.policy.wiring import PeerLoad
 from swarm.wire.pool import ClientPool
 
@@ -105,6 +105,9 @@ class SwarmView:
         self.poll_stages: set[int] | None = None
         # called after each round of Info polls (e.g. swarm.peer.partials reacts to a mate's new count)
         self.info_listeners: list[Callable[[], None]] = []
+        # peers a trainer caught answering differently from their stage-mates (swarm.trainer.honesty):
+        # they get no work and take no part in their stage's updates; the accusation, by peer id
+        self.accused: dict[str, Accusation] = {}
 
     # ---- queries ----
 
@@ -125,7 +128,7 @@ class SwarmView:
         """Peers a trainer may send work to: live and online (not draining). With `min_step`, only
         those known to have applied step min_step - 1, if there are any (exact mode: a stage-mate
         applies the same update a moment later; the others would make the request wait)."""
-        peers = self.stage_peers(stage)
+        peers = [s for s in self.stage_peers(stage) if s.peer_id not in self.accused]
         if min_step is not None:
             ready = [s for s in peers if s.last_info_ok and s.step >= min_step]
             peers = ready or peers
@@ -184,15 +187,36 @@ class SwarmView:
                 # its record expired or it went offline: keep it a little for bookkeeping, not for wiring
                 self.peers[peer_id].record_state = PeerState.OFFLINE
 
+    def _read_dht(self) -> tuple[dict[int, list[PeerEntry]], list[AccusationRecord]]:
+        return self.dht.get_all_stages(self.num_stages), self.dht.get_accusations()
+
     async def refresh_dht(self) -> None:
         loop = asyncio.get_running_loop()
         # shielded: a cancelled refresh still finishes its (deadline-bound) DHT call before the DHT
         # can be shut down, so no thread is left waiting on a dead DHT process
-        self._dht_call = loop.run_in_executor(None, self.dht.get_all_stages, self.num_stages)
-        records = await asyncio.shield(self._dht_call)
+        self._dht_call = loop.run_in_executor(None, self._read_dht)
+        records, accusations = await asyncio.shield(self._dht_call)
         self.apply_records(records)
+        self.apply_accusations(accusations)
         self.dht_ok = True
         self.changed.set()
+
+    async def refresh_accusations(self) -> None:
+        """Read the accusations now (before a stage agrees on an update: a peer accused a moment ago
+        takes no part in it)."""
+        loop = asyncio.get_running_loop()
+        self.apply_accusations(await loop.run_in_executor(None, self.dht.get_accusations))
+
+    def apply_accusations(self, records: list[AccusationRecord]) -> None:
+        for record in records:
+            for accusation in record.accusations:
+                if accusation.accused not in self.accused:
+                    logger.warning(
+                        "trainer %s accuses peer %s of stage %d: its %s answer differs from its mates' by %.3g",
+                        record.trainer_id, accusation.accused[-6:], accusation.stage, accusation.kind,
+                        accusation.error,
+                    )  # fmt: skip
+                    self.accused[accusation.accused] = accusation
 
     async def _poll_one(self, status: PeerStatus) -> None:
         try:

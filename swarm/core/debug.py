@@ -2,6 +2,9 @@
 
 - `FaultPlan`: torchft-style deterministic fault injection, "fail at this step in this way" (tests
   use it through `swarm peer --debug-fail-at-step N --debug-fail-mode kill|stop|exit`).
+- `LiePlan`: a dishonest peer, for the tests of lying-peer detection (`swarm peer --debug-lie outputs`
+  perturbs its forward outputs and input gradients; `--debug-lie gradients` scales its contribution to
+  the stage's averaging).
 - `cpu_profile`: a cProfile of one thread (the peer's event loop: parsing, validation, codecs, gRPC),
   written on exit (`swarm peer --profile-dir DIR`, used by scripts/bench_overheads.py).
 """
@@ -57,17 +60,52 @@ class FaultPlan:
             os._exit(3)
 
 
+LIE_MODES = ("outputs", "gradients")
+
+
+@dataclass
+class LiePlan:
+    """Lie from update `from_step` on: add noise of `scale` times the answer's RMS to every forward
+    output and input gradient (outputs), or scale the averaging contribution by 1 + `scale` (gradients)."""
+
+    mode: str = "outputs"
+    scale: float = 0.5
+    from_step: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in LIE_MODES:
+            raise ValueError(f"--debug-lie must be one of {', '.join(LIE_MODES)}, got {self.mode!r}")
+
+    def perturb(self, out, step: int):
+        """`out` (a tensor) with noise, when lying about outputs is due at `step`."""
+        if self.mode != "outputs" or step < self.from_step or not out.dtype.is_floating_point:
+            return out
+        import torch
+
+        rms = out.float().pow(2).mean().sqrt().clamp_min(1e-6)
+        return out + (self.scale * rms * torch.randn(out.shape)).to(out.dtype)
+
+
 def add_debug_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("debugging and fault injection (for tests and benchmarks)")
     g.add_argument("--debug-fail-at-step", type=int, metavar="STEP", help="fail when the stage reaches this step")
     g.add_argument("--debug-fail-mode", default="kill", choices=FAIL_MODES, help="how to fail (default kill)")
     g.add_argument("--profile-dir", metavar="DIR", help="write a cProfile of the event loop's CPU time here on exit")
+    g.add_argument("--debug-lie", choices=LIE_MODES, help="be a dishonest peer (tests of lying-peer detection)")
+    g.add_argument("--debug-lie-scale", type=float, default=0.5, help="how much to lie (default 0.5)")
+    g.add_argument("--debug-lie-from-step", type=int, default=0, metavar="STEP", help="lie from this update on")
 
 
 def fault_plan_from_args(args: argparse.Namespace) -> FaultPlan | None:
     if getattr(args, "debug_fail_at_step", None) is None:
         return None
     return FaultPlan(args.debug_fail_at_step, args.debug_fail_mode)
+
+
+def lie_plan_from_args(args: argparse.Namespace) -> LiePlan | None:
+    if getattr(args, "debug_lie", None) is None:
+        return None
+    return LiePlan(args.debug_lie, args.debug_lie_scale, args.debug_lie_from_step)
 
 
 @contextlib.contextmanager

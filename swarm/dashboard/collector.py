@@ -16,7 +16,7 @@ import time
 
 from swarm.cluster.view import PeerStatus, SwarmView
 from swarm.core.states import PeerState
-from swarm.dashboard.source import DEAD, HISTORY_KEYS
+from swarm.dashboard.source import ACCUSED, DEAD, HISTORY_KEYS
 from swarm.dht.node import SwarmDHT
 from swarm.dht.records import TrainerRecord
 from swarm.training.config import RunConfig
@@ -121,6 +121,8 @@ class LiveSource:
     # ---- the document ----
 
     def _state(self, s: PeerStatus) -> str:
+        if s.peer_id in self.view.accused:
+            return ACCUSED
         if s.record_state.serving and not self.view.is_live(s):
             return DEAD
         return s.record_state.value

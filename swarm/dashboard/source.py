@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 # a peer's state on the page: its own (swarm.core.states.PeerState), or dead: listed as serving but
 # no longer answering Info
 DEAD = "dead"
+ACCUSED = "accused"  # a trainer caught it lying (swarm.trainer.honesty): no work, no part in updates
 PEER_STATES = (*(s.value for s in PeerState), DEAD)
 LIVE_STATES = tuple(s.value for s in PeerState if s.serving)
 EVENT_KINDS = ("join", "leave", "move", "failure", "ban", "averaging_failed", "checkpoint")

@@ -19,7 +19,15 @@ from hivemind.utils import get_dht_time
 
 from swarm.core.procs import die_with_parent
 from swarm.core.settings import DHT_TIMEOUT_S
-from swarm.dht.records import MAX_STAGES, EventRecord, PeerEntry, PeerRecord, SwarmSchema, TrainerRecord
+from swarm.dht.records import (
+    MAX_STAGES,
+    AccusationRecord,
+    EventRecord,
+    PeerEntry,
+    PeerRecord,
+    SwarmSchema,
+    TrainerRecord,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +70,7 @@ class SwarmDHT:
         # a private swarm: this member's certificate goes into every record it writes, and records
         # whose (owner, certificate) the filter refuses are ignored (swarm.cluster.authority)
         self.cert_source: Callable[[], str] | None = None
-        self.member_filter: Callable[[bytes, str | None], bool] | None = None
+        self.member_filter: Callable[[bytes, str | None, tuple[str, ...] | None], bool] | None = None
         self.signer = RSASignatureValidator()
         self.owner = self.signer.local_public_key
         validators = [SchemaValidator(SwarmSchema, allow_extra_keys=True, prefix=run_id), self.signer]
@@ -112,8 +120,8 @@ class SwarmDHT:
     def _cert(self) -> str | None:
         return None if self.cert_source is None else self.cert_source()
 
-    def _accepted(self, owner: bytes, cert: str | None) -> bool:
-        return self.member_filter is None or self.member_filter(owner, cert)
+    def _accepted(self, owner: bytes, cert: str | None, roles: tuple[str, ...] | None = None) -> bool:
+        return self.member_filter is None or self.member_filter(owner, cert, roles)
 
     def announce_peer(self, stage: int, record: PeerRecord, ttl: float) -> bool:
         value = {**record.dict(), "cert": self._cert()}
@@ -192,6 +200,28 @@ class SwarmDHT:
                 logger.warning("ignoring a malformed trainer record under %s", self.key("trainers"))
                 continue
             if self._accepted(owner, record.cert):
+                out.append(record)
+        return out
+
+    # ---- accusations of lying peers ----
+
+    def publish_accusations(self, record: AccusationRecord, ttl: float) -> bool:
+        value = {**record.dict(), "cert": self._cert()}
+        return self._store(self.key("accusations"), self.owner, value, get_dht_time() + ttl)
+
+    def get_accusations(self) -> list[AccusationRecord]:
+        """Every trainer's accusations (in a private swarm: only those of admitted trainers)."""
+        found = self._get(self.key("accusations"))
+        if found is None or not isinstance(found.value, dict):
+            return []
+        out = []
+        for owner, item in found.value.items():
+            try:
+                record = AccusationRecord.parse_obj(item.value)
+            except pydantic.ValidationError:
+                logger.warning("ignoring a malformed accusations record under %s", self.key("accusations"))
+                continue
+            if self._accepted(owner, record.cert, roles=("trainer",)):
                 out.append(record)
         return out
 

@@ -69,11 +69,45 @@ class TrainerRecord(pydantic.BaseModel):
         extra = pydantic.Extra.forbid
 
 
+_Digest = pydantic.constr(strict=True, max_length=64)
+
+
+class Accusation(pydantic.BaseModel):
+    """A trainer's evidence that a peer answered differently from its stage-mates (swarm.trainer.honesty):
+    the digests of the input, the accused's answer and the majority's, and the mates that agreed."""
+
+    accused: pydantic.constr(strict=True, max_length=80)
+    stage: pydantic.conint(strict=True, ge=0, lt=MAX_STAGES)
+    step: pydantic.conint(strict=True, ge=0)
+    kind: Literal["forward", "backward"]
+    input_digest: _Digest
+    accused_digest: _Digest
+    majority_digest: _Digest
+    error: pydantic.confloat(strict=True, ge=0.0)  # relative difference from the majority's answer
+    witnesses: pydantic.conlist(pydantic.constr(strict=True, max_length=80), max_items=4)
+    time: pydantic.confloat(strict=True, ge=0.0)
+
+    class Config:
+        extra = pydantic.Extra.forbid
+
+
+class AccusationRecord(pydantic.BaseModel):
+    """One trainer's accusations (its subkey under the run's `accusations` key)."""
+
+    trainer_id: pydantic.constr(strict=True, max_length=40)
+    accusations: pydantic.conlist(Accusation, max_items=16)
+    cert: _Cert | None = None
+
+    class Config:
+        extra = pydantic.Extra.forbid
+
+
 _OwnerKey = pydantic.conbytes(strict=True, max_length=1024)
 _schema_fields: dict = {f"stage_{k}": (dict[_OwnerKey, PeerRecord] | None, None) for k in range(MAX_STAGES)}
 _schema_fields["config"] = (dict[_OwnerKey, pydantic.constr(strict=True, max_length=4000)] | None, None)
 _schema_fields["events"] = (dict[_OwnerKey, EventRecord] | None, None)
 _schema_fields["trainers"] = (dict[_OwnerKey, TrainerRecord] | None, None)
+_schema_fields["accusations"] = (dict[_OwnerKey, AccusationRecord] | None, None)
 # hivemind's SchemaValidator is written against pydantic's v1 API (pydantic.v1 under pydantic 2).
 SwarmSchema = pydantic.create_model("SwarmSchema", __module__=__name__, **_schema_fields)
 

@@ -10,11 +10,19 @@ counted once by a deterministic rule: the mate with the smallest peer id keeps i
 holder of a duplicate drops all its unapplied gradients (they cannot be taken apart) and the
 trainers replay them, the duplicate excepted. Otherwise the peers unfreeze and wait.
 
+A robust rule keeps a peer's corrupted gradients out of the update: each frozen list says the norm
+of the peer's mean gradient, and with three or more members holding samples, a member whose norm is
+more than OUTLIER_FACTOR times the median of the others' is left out of the update (its
+contributions are dropped by it and replayed by the trainers on its mates). Honest mean gradients
+of a few samples differ by small factors (sampling noise); a scaled or garbage gradient does not.
+
 The same module serves the ledger (GetLedger; swarm.cluster.ledger fetches it).
 """
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -28,12 +36,15 @@ from swarm.wire.client import StageClient
 from swarm.wire.protocol import pb
 
 MAX_LEDGER_STEPS = 4096
+OUTLIER_FACTOR = 8.0  # a member's gradient norm above this times the others' median is left out
+OUTLIER_MIN_MEMBERS = 3  # with two, neither can be told the liar
 
 
 def contributions_response(peer_id: str, snap: HeldSnapshot) -> pb.ContributionsResponse:
     response = pb.ContributionsResponse(
-        peer_id=peer_id, step=snap.step, frozen=snap.frozen, epoch=snap.epoch, applied_step=snap.applied_step
-    )
+        peer_id=peer_id, step=snap.step, frozen=snap.frozen, epoch=snap.epoch, applied_step=snap.applied_step,
+        grad_norm=snap.grad_norm,
+    )  # fmt: skip
     for cid, held in snap.held.items():
         response.contributions.add(id=cid, samples=held.samples, digest=held.digest)
     return response
@@ -42,8 +53,9 @@ def contributions_response(peer_id: str, snap: HeldSnapshot) -> pb.Contributions
 def snapshot_of(response: pb.ContributionsResponse) -> HeldSnapshot:
     held = {c.id: Held(int(c.samples), int(c.digest)) for c in response.contributions}
     return HeldSnapshot(
-        int(response.step), bool(response.frozen), int(response.epoch), held, int(response.applied_step)
-    )
+        int(response.step), bool(response.frozen), int(response.epoch), held, int(response.applied_step),
+        float(response.grad_norm),
+    )  # fmt: skip
 
 
 async def fetch_contributions(
@@ -63,9 +75,10 @@ class Agreement:
     samples: int  # of the union
     duplicates: dict[str, list[str]] = field(default_factory=dict)  # part id -> peers holding it
     not_frozen: list[str] = field(default_factory=list)  # participants still taking requests for it
+    outliers: dict[str, float] = field(default_factory=dict)  # left out by the norm rule: id -> norm / median
 
     def ready(self, global_batch: int) -> bool:
-        return not self.duplicates and not self.not_frozen and self.samples == global_batch
+        return not self.duplicates and not self.not_frozen and not self.outliers and self.samples == global_batch
 
     def must_drop(self, peer_id: str) -> dict[str, Holder] | None:
         """If `peer_id` loses a duplicate (another holder has a smaller id): the contributions it
@@ -79,8 +92,25 @@ class Agreement:
         return elsewhere or None
 
 
+def gradient_outliers(lists: dict[str, HeldSnapshot], factor: float = OUTLIER_FACTOR) -> dict[str, float]:
+    """Members whose mean-gradient norm is above `factor` times the median of the others' (among
+    frozen members holding samples, when there are at least OUTLIER_MIN_MEMBERS): id -> the ratio."""
+    norms = {p: s.grad_norm for p, s in lists.items() if s.frozen and s.held and math.isfinite(s.grad_norm)}
+    if len(norms) < OUTLIER_MIN_MEMBERS:
+        return {}
+    out = {}
+    for peer_id, norm in norms.items():
+        median = statistics.median(n for p, n in norms.items() if p != peer_id)
+        if median > 0 and norm > factor * median:
+            out[peer_id] = norm / median
+    return out
+
+
 def agree(step: int, lists: dict[str, HeldSnapshot]) -> Agreement:
-    """The agreement of the peers whose frozen lists for `step` are in `lists` (peer id -> list)."""
+    """The agreement of the peers whose frozen lists for `step` are in `lists` (peer id -> list).
+    Outliers (`gradient_outliers`) are left out: not members, their contributions not counted."""
+    outliers = gradient_outliers(lists)
+    lists = {p: s for p, s in lists.items() if p not in outliers}
     holders: dict[str, list[str]] = defaultdict(list)
     union: dict[str, Held] = {}
     for peer_id, snap in sorted(lists.items()):
@@ -94,6 +124,7 @@ def agree(step: int, lists: dict[str, HeldSnapshot]) -> Agreement:
         samples=sum(h.samples for h in union.values()),
         duplicates={c: sorted(h) for c, h in holders.items() if len(h) > 1},
         not_frozen=sorted(p for p, s in lists.items() if not s.frozen),
+        outliers=outliers,
     )
 
 

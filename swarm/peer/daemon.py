@@ -22,7 +22,7 @@ from swarm.cluster.authority import secure
 from swarm.cluster.runconfig import fetch_signed_config
 from swarm.cluster.view import SwarmView
 from swarm.core.auth import Verifier
-from swarm.core.debug import LEAVE, FaultPlan, cpu_profile
+from swarm.core.debug import LEAVE, FaultPlan, LiePlan, cpu_profile
 from swarm.core.errors import ConfigError
 from swarm.core.log import set_context
 from swarm.core.procs import COUNTERS_PREFIX, READY_PREFIX
@@ -58,9 +58,10 @@ def resolve_device(name: str) -> torch.device:
 
 
 class Peer:
-    def __init__(self, cfg: PeerConfig, faults: FaultPlan | None = None) -> None:
+    def __init__(self, cfg: PeerConfig, faults: FaultPlan | None = None, lie: LiePlan | None = None) -> None:
         self.cfg = cfg
         self.faults = faults
+        self.lie = lie  # debug: a dishonest peer (tests of lying-peer detection)
         self.device = resolve_device(cfg.device)
         self.clients = ClientPool(cfg.max_message_bytes)
         self.stop_event = asyncio.Event()
@@ -94,6 +95,7 @@ class Peer:
             self.clients.credentials = self.keeper.credentials
         verifier = Verifier(run.run_id, signed.key) if run.private else None
         self.serving = ServingState(run.run_id, self.dht.peer_id, __version__)
+        self.serving.lie = self.lie
         self.serving.codec = codec_from_name(run.codec)
         self.serving.exact = run.exact
         ahead = 1 if run.exact else math.ceil(run.max_staleness) + 1  # a request's step, at most this far ahead
@@ -244,8 +246,10 @@ class Peer:
         logger.info("stopped")
 
 
-async def run_peer(cfg: PeerConfig, faults: FaultPlan | None = None, profile_dir: str | None = None) -> int:
-    peer = Peer(cfg, faults)
+async def run_peer(
+    cfg: PeerConfig, faults: FaultPlan | None = None, profile_dir: str | None = None, lie: LiePlan | None = None
+) -> int:
+    peer = Peer(cfg, faults, lie)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, peer.stop_event.set)

@@ -108,7 +108,8 @@ class Membership:
         return 0 if self.runtime is None else self.runtime.executor.step
 
     def live_mates(self) -> list[PeerStatus]:
-        return self.view.stage_peers(self.stage)
+        """Live stage-mates, less those a trainer caught lying (they take no part in updates)."""
+        return [m for m in self.view.stage_peers(self.stage) if m.peer_id not in self.view.accused]
 
     def event(self, kind: str, **fields: object) -> None:
         """An event of this peer's stage (a fallback, a stall): logged, counted and published."""
@@ -145,6 +146,9 @@ class Membership:
     def read_records(self) -> dict[int, list[PeerEntry]]:
         """Every stage's DHT records (blocking, within the DHT deadline)."""
         return self.dht.get_all_stages(self.run.num_stages)
+
+    async def refresh_accusations(self) -> None:
+        await self.view.refresh_accusations()
 
     async def refresh_view(self) -> None:
         await self.view.refresh_dht()
@@ -183,6 +187,7 @@ class Membership:
             prior_samples=max(1, run.global_batch // 4),
             ledger=StageLedger(stage, self._ledger_path(stage)),
         )
+        executor.lie = self.serving.lie
         rt = self.runtime = StageRuntime(stage, built, executor)
         self.serving.stage, self.serving.schema, self.serving.executor = stage, built.schema, executor
         self.serving.throughput = 0.0

@@ -114,7 +114,9 @@ class StageService:
                 grad = None if schema.is_last else check_grad_output(grad, n)
                 key = msg.contribution_id or msg.request_id
                 key = f"{key}#{index}" if acc["streamed"] else key
-                future = executor.backward(x, grad, t, key, int(msg.step), int(msg.samples_digest))
+                future = executor.backward(
+                    x, grad, t, key, int(msg.step), int(msg.samples_digest), check_only=msg.check_only
+                )
                 result = await asyncio.wrap_future(future)
                 out = result.grad_input
                 acc["accumulated_step"] = max(acc.get("accumulated_step", 0), result.accumulated_step)
@@ -126,6 +128,8 @@ class StageService:
                 acc["loss_sum"] = acc.get("loss_sum", 0.0) + float(result.loss.double().sum())
             acc["samples"] = acc.get("samples", 0) + n
             acc["compute_s"] = acc.get("compute_s", 0.0) + result.compute_s
+            if out is not None and self.serving.lie is not None:
+                out = self.serving.lie.perturb(out, executor.step)
             if out is not None:
                 acc["out_shape"] = (acc.get("out_shape", (0,))[0] + out.shape[0], *out.shape[1:])
                 counts = split_samples(n, out[0].numel() * out.element_size()) if acc["streamed"] else [n]

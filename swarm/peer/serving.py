@@ -51,6 +51,7 @@ class ServingState:
         self.step_wait_s = 20.0
         self.note = ""  # why this peer is not serving yet, for status and dashboards (e.g. no state)
         self.fallbacks: dict[str, int] = {}  # kind -> count of the fallbacks its stage took
+        self.lie = None  # debug only (swarm.core.debug.LiePlan): a dishonest peer, for tests
 
     def check_target(self, run_id: str, stage: int) -> tuple[StageExecutor, StageSchema]:
         """The executor and schema to serve a request for (run_id, stage) with, or a typed error:

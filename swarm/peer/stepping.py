@@ -63,6 +63,8 @@ class StageMates(Protocol):
 
     async def refresh_view(self) -> None: ...
 
+    async def refresh_accusations(self) -> None: ...
+
     def event(self, kind: str, **fields: object) -> None: ...
 
     def restart_averager(self) -> StageAverager | None: ...
@@ -154,7 +156,8 @@ class StepCoordinator:
                 if await self.mates.sync_from_mates(reference):
                     self.resyncs += 1
             return
-        frozen: Accumulated = await asyncio.wrap_future(ex.call(ex.take_accumulated))
+        # a peer accused a moment ago takes no part (its accusation is read while this one freezes)
+        frozen, _ = await asyncio.gather(asyncio.wrap_future(ex.call(ex.take_accumulated)), self._read_accusations())
         agreement = await self._agree(frozen)
         if agreement is None or not await self._settle(agreement):
             return
@@ -174,6 +177,12 @@ class StepCoordinator:
         )  # fmt: skip
         if self.after_update is not None:
             self.after_update(ex.step)
+
+    async def _read_accusations(self) -> None:
+        try:
+            await self.mates.refresh_accusations()
+        except Exception as e:  # noqa: BLE001 - the periodic refresh still reads them
+            logger.debug("reading accusations failed: %s", e)
 
     async def _agree(self, frozen: Accumulated) -> Agreement | None:
         """The frozen lists of this peer and its live mates for the frozen update (waiting briefly
@@ -213,6 +222,9 @@ class StepCoordinator:
         ex = self.executor
         if agreement.ready(self.global_batch):
             return True
+        if agreement.outliers:
+            await self._left_out(agreement)
+            return False
         elsewhere = agreement.must_drop(self.peer_id)
         if elsewhere is not None:
             dropped = await asyncio.wrap_future(ex.call(lambda: ex.drop_unapplied(elsewhere)))
@@ -227,6 +239,27 @@ class StepCoordinator:
         if agreement.duplicates or agreement.samples > self.global_batch:
             logger.info("update %d: a mate holds a duplicate and drops it; waiting for the replays", agreement.step)
         return False
+
+    async def _left_out(self, agreement: Agreement) -> None:
+        """Outliers by the norm rule: the outlier drops what it holds (the trainers replay it on its
+        mates); every member says so, counted, and waits for the replays."""
+        ex = self.executor
+        ratio = agreement.outliers.get(self.peer_id)
+        if ratio is not None:
+            dropped = await asyncio.wrap_future(ex.call(ex.drop_unapplied))
+            logger.warning(
+                "update %d: this peer's gradient norm is %.1fx its mates' median: left out of the update, its %d "
+                "unapplied samples dropped for the trainers to replay on its mates",
+                agreement.step, ratio, dropped,
+            )  # fmt: skip
+        else:
+            await asyncio.wrap_future(ex.call(ex.unfreeze))
+            logger.warning(
+                "update %d: left out %s (gradient norm %s x the others' median); waiting for the replays",
+                agreement.step, ", ".join(p[-6:] for p in agreement.outliers),
+                ", ".join(f"{r:.1f}" for r in agreement.outliers.values()),
+            )  # fmt: skip
+        self.mates.event("outlier_excluded", step=agreement.step, peers=[p[-12:] for p in agreement.outliers])
 
     async def _average(self, frozen: Accumulated, agreement: Agreement) -> list | None:
         """The mean gradient over the agreed members, or None if the all-reduce failed (the caller

@@ -38,4 +38,10 @@ class TrainerConfig:
     sample_log: str | None = setting(
         None, "append every microbatch's step and sample indices to this JSON-lines file ({trainer}: the index)"
     )
+    spot_check: float = setting(
+        0.05, "fraction of forward and backward answers recomputed on a stage-mate to catch lying peers (0: none)"
+    )
+    spot_check_tolerance: float | None = setting(
+        None, "relative difference two honest answers may show (default: by codec and sync mode)"
+    )
     stream_threshold_kb: int = setting(2048, "requests with more tensor data than this many KiB are streamed")

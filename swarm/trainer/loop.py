@@ -34,6 +34,7 @@ from swarm.policy.ledger import contribution_id, samples_digest
 from swarm.policy.pacing import StepPacer
 from swarm.policy.wiring import Wiring
 from swarm.trainer.config import TrainerConfig
+from swarm.trainer.honesty import Honesty, default_tolerance
 from swarm.trainer.microbatch import Microbatch
 from swarm.trainer.replay import Replayer
 from swarm.trainer.report import Reporter, Stats
@@ -112,6 +113,12 @@ class Trainer:
         self.router = Router(cfg, self.view, self.clients, Wiring(self.rng), self.stats, run.num_stages)
         self.replayer = Replayer(self.view, self.router, self.clients, run.run_id, self.stats, self.progress)
         self._background.append(asyncio.create_task(self.replayer.run()))
+        tolerance = cfg.spot_check_tolerance or default_tolerance(self.codec, run.exact)
+        self.honesty = Honesty(
+            self.view, self.router, self.clients, self.dht, self.trainer_id, cfg.spot_check, tolerance,
+            self.stats.calls_by_peer, seed=cfg.seed * 31 + cfg.trainer_index,
+        )  # fmt: skip
+        self._background.append(asyncio.create_task(self.honesty.run()))
         self.metrics = Announcer(self._publish_metrics, METRICS_PERIOD_S, METRICS_TTL_S, name="trainer-metrics").start()
 
     def _publish_metrics(self, ttl: float) -> bool:
@@ -166,10 +173,12 @@ class Trainer:
                 reply_codec=self.codec,
             )  # fmt: skip
             min_step = mb.step_tag if run.exact else None
-            _, output, _ = await self.router.call(
-                k, req, {"input": inputs[k]}, mb.samples, "forward", min_step=min_step
-            )
-            inputs.append(output)
+            tensors = {"input": inputs[k]}
+            answered = await self.router.call(k, req, tensors, mb.samples, "forward", min_step=min_step)
+            self.honesty.remember(k, "forward", req, tensors, mb.samples)
+            if self.honesty.should_check():
+                answered = await self.honesty.check(k, "forward", req, tensors, mb.samples, answered)
+            inputs.append(answered[1])
         return inputs
 
     async def _process(self, mb: Microbatch) -> None:
@@ -188,10 +197,15 @@ class Trainer:
             else:
                 tensors["grad_output"] = grad
             # no retry cap: later stages already hold this microbatch's gradient
-            msg, grad, peer = await self.router.call(
+            msg, grad, peer = answered = await self.router.call(
                 k, req, tensors, mb.samples, "backward", retry_limit=NO_RETRY_CAP,
                 min_step=mb.step_tag if run.exact else None,
             )  # fmt: skip
+            if k == run.num_stages - 1:
+                self.honesty.remember(k, "backward", req, tensors, mb.samples)
+            if k > 0 and self.honesty.should_check():
+                # the majority's input gradient goes on; a caught liar's held gradient is replayed
+                _, grad, _ = await self.honesty.check(k, "backward", req, tensors, mb.samples, answered)
             if k == run.num_stages - 1:
                 self.stats.losses_by_step[int(msg.peer_step)].append((float(msg.loss), mb.samples))
             self.replayer.hold(mb, k, msg, peer.peer_id, req, tensors)
@@ -326,6 +340,7 @@ class Trainer:
             summary = self.reporter.summary(steps, time.monotonic() - t0, train_s, val_loss)
             summary["stopped_early"] = self.stop_requested.is_set()
             summary["stage_fallbacks"] = fallback_totals(self.view.peers.values())
+            summary.update(self.honesty.stats.summary())
             return summary
         finally:
             await self.close()

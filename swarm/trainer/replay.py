@@ -88,7 +88,10 @@ class Replayer:
         return set()
 
     def lost(self, rec: HeldBackward) -> bool:
-        """The gradient's holder is gone, unreachable, moved to another stage, or dropped it."""
+        """The gradient's holder is gone, unreachable, moved to another stage, dropped it, or was
+        accused of lying (its mates leave it out of their updates)."""
+        if rec.holder in self.view.accused:
+            return True
         status = self.view.peers.get(rec.holder)
         if status is None or status.stage != rec.stage or not self.view.is_live(status):
             return True
@@ -97,7 +100,8 @@ class Replayer:
     async def replay(self, rec: HeldBackward) -> None:
         rec.replays += 1
         status = self.view.peers.get(rec.holder)
-        exclude = {rec.holder} if status is None or not self.view.is_live(status) else set()
+        gone = status is None or not self.view.is_live(status) or rec.holder in self.view.accused
+        exclude = {rec.holder} if gone else set()
         try:
             response, _, peer = await self.router.call(
                 rec.stage, rec.request, rec.tensors, rec.mb.samples, "backward", exclude=exclude

@@ -33,6 +33,7 @@ class Stats:
     failed_peers: set[str] = field(default_factory=set)
     failed_calls_by_code: collections.Counter[str] = field(default_factory=collections.Counter)
     failures_by_peer: collections.Counter[str] = field(default_factory=collections.Counter)
+    calls_by_peer: collections.Counter[str] = field(default_factory=collections.Counter)  # answered calls
     losses_by_step: dict[int, list[tuple[float, int]]] = field(default_factory=lambda: collections.defaultdict(list))
     val_losses: list[tuple[int, float]] = field(default_factory=list)
 

@@ -165,6 +165,7 @@ class Router:
             finally:
                 peer.in_flight -= samples
             self.wiring.on_success(peer)
+            self.stats.calls_by_peer[peer.peer_id] += 1
             elapsed = time.monotonic() - started
             if alone and elapsed > 0:
                 self._measure(peer, kind, stage, samples, elapsed)

@@ -73,3 +73,17 @@ def test_end_to_end_throughput_limits_a_fast_peer_behind_a_slow_link():
     gpu_slow_link = PeerLoad("g", 0, "x", throughput=100.0, e2e_throughput=2.0)
     cpu_fast_link = PeerLoad("c", 0, "y", throughput=10.0, e2e_throughput=10.0)
     assert Wiring(random.Random(0)).choose([gpu_slow_link, cpu_fast_link], 1, 0.0) is cpu_fast_link
+
+
+def test_a_peer_claiming_more_than_it_delivers_gets_work_by_what_it_delivers():
+    """A lying throughput claim (1,000 samples/s, delivering 5) draws no more work than its delivery
+    earns: loaded with queued work as calls pile up, it gets about 5/(5+10) of the tasks."""
+    wiring = Wiring(random.Random(0))
+    liar = PeerLoad("liar", 0, "x", throughput=1000.0, e2e_throughput=5.0)
+    honest = PeerLoad("honest", 0, "y", throughput=10.0, e2e_throughput=10.0)
+    chosen = {"liar": 0, "honest": 0}
+    for _ in range(300):
+        peer = wiring.choose([liar, honest], 1, 0.0)
+        chosen[peer.peer_id] += 1
+        peer.in_flight += 1  # the calls pile up: each peer's queue grows by its share
+    assert chosen["liar"] < 0.45 * 300 and chosen["honest"] > 0.55 * 300, chosen

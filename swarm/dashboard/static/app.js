@@ -4,7 +4,7 @@
   const POLL_MS = Math.max(250, Math.min(2000, +document.body.dataset.pollMs || 1000));
   const FETCH_TIMEOUT_MS = 5000;
   const LIVE = { online: 1, draining: 1 };
-  const STATE_RANK = { online: 0, draining: 1, joining: 2, dead: 3, offline: 4 };
+  const STATE_RANK = { online: 0, draining: 1, joining: 2, accused: 3, dead: 4, offline: 5 };
   const $ = (id) => document.getElementById(id);
   const ui = { doc: null, selected: null, peers: new Map(), columns: [], apiDown: null, renderError: null, eventsHtml: "" };
 
@@ -73,7 +73,7 @@
 
   function peerCard(p) {
     const state = String(p.state || "offline");
-    const label = state === "dead" ? "dead · unreachable" : state;
+    const label = state === "dead" ? "dead · unreachable" : state === "accused" ? "accused · caught lying" : state;
     const sel = p.peer_id === ui.selected ? " sel" : "";
     return `<div class="peer s-${esc(state)}${sel}" data-peer="${esc(p.peer_id)}" title="${esc(p.peer_id)}">` +
       `<span class="id">${esc(shortId(p.peer_id))}</span><span class="st">${esc(label)}</span>` +

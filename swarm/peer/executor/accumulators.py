@@ -38,6 +38,7 @@ class Accumulated:
     samples: int
     step: int
     held: dict[str, Held] = field(default_factory=dict)
+    norm: float = 0.0  # of the mean gradient (the sum over samples), set when frozen: the outlier rule
 
 
 @dataclass(frozen=True)

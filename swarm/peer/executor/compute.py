@@ -64,6 +64,7 @@ class StageExecutor(StageUpdates):
 
         self.step = 0  # updates applied
         self.acc = Accumulators(self.params)
+        self.lie = None  # debug only (swarm.core.debug.LiePlan): a dishonest peer
         self.predict_params = predict_params
         self.lookahead = LookAhead(self.optimizer, optim, self.params, prior_samples)
         self.counters = ExecutorCounters()
@@ -131,10 +132,13 @@ class StageExecutor(StageUpdates):
         request_id: str,
         tag: int = 0,
         digest: int = 0,
+        check_only: bool = False,
     ) -> concurrent.futures.Future:
         """Accumulate the gradient of (inputs, grad_output or targets) into update `tag`, once per
-        `request_id` (a contribution part id)."""
-        return self.submit(Task(BACKWARD, inputs, targets, grad_output, request_id, tag, digest=digest))
+        `request_id` (a contribution part id). `check_only`: a trainer's spot check of a mate's answer:
+        the input gradient only, nothing accumulated."""
+        task = Task(BACKWARD, inputs, targets, grad_output, request_id, tag, digest=digest, check_only=check_only)
+        return self.submit(task)
 
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Run `fn` on the compute thread, between batches: safe access to parameters and state."""
@@ -155,7 +159,8 @@ class StageExecutor(StageUpdates):
     # ---- compute thread ----
 
     def _is_duplicate(self, task: Task) -> bool:
-        return task.kind == BACKWARD and self.acc.holder_of(task.request_id) is not None
+        """A backward that accumulates nothing (a duplicate, or a spot check): it runs alone."""
+        return task.kind == BACKWARD and (task.check_only or self.acc.holder_of(task.request_id) is not None)
 
     def _next_batch(self) -> list[Task] | None:
         with self._cv:
@@ -271,8 +276,9 @@ class StageExecutor(StageUpdates):
 
     def _run_backward(self, tasks: list[Task]) -> None:
         start = time.perf_counter()
-        holder = self.acc.holder_of(tasks[0].request_id) if len(tasks) == 1 else None
-        duplicate = holder is not None
+        check_only = tasks[0].check_only  # such a task runs alone
+        holder = self.acc.holder_of(tasks[0].request_id) if len(tasks) == 1 and not check_only else None
+        duplicate = holder is not None or check_only
         # a duplicate still returns its input gradient (the trainer's backward goes on to the earlier
         # stages); a new contribution must be for an update this peer has not frozen or applied
         target_step = max(tasks[0].tag, self.acc.accumulating_step) if duplicate else self.acc.target_step(tasks[0].tag)

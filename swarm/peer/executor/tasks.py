@@ -26,6 +26,7 @@ class Task:
     request_id: str = ""  # backward: the contribution (part) id; a second copy adds nothing
     tag: int = 0  # forward and backward: the step the trainer meant this microbatch for
     digest: int = 0  # backward: the contribution's sample digest, for the ledger
+    check_only: bool = False  # backward: a spot check (the input gradient only, nothing accumulated)
     fn: Callable[[], Any] | None = None
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     enqueued: float = field(default_factory=time.perf_counter)

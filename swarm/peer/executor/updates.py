@@ -27,6 +27,7 @@ class HeldSnapshot:
     epoch: int
     held: dict[str, Held]
     applied_step: int
+    grad_norm: float = 0.0  # of its frozen mean gradient (0 while not frozen)
 
 
 @dataclass
@@ -64,13 +65,22 @@ class StageUpdates:
         """What this peer holds for update `step`, and whether it froze it (the stage's agreement)."""
         acc = self.acc.pending(step)
         frozen = self.acc.frozen is not None and self.acc.frozen.step == step
-        return HeldSnapshot(step, frozen, self.acc.epoch, dict(acc.held) if acc else {}, self.step)
+        norm = self.acc.frozen.norm if frozen else 0.0
+        return HeldSnapshot(step, frozen, self.acc.epoch, dict(acc.held) if acc else {}, self.step, norm)
 
     # ---- updates and state (call these through `call`, or from the compute thread) ----
 
     def take_accumulated(self) -> Accumulated:
-        """Freeze the accumulator of the next update; new gradients go into the one after."""
-        return self.acc.freeze()
+        """Freeze the accumulator of the next update; new gradients go into the one after. Its mean
+        gradient's norm is what the stage's outlier rule compares (swarm.peer.agreement)."""
+        frozen = self.acc.freeze()
+        lie = self.lie  # a debug liar (swarm peer --debug-lie gradients)
+        if lie is not None and lie.mode == "gradients" and frozen.step >= lie.from_step and frozen.samples:
+            for g in frozen.grads:
+                g.mul_(1.0 + lie.scale)
+        total = sum(float(g.detach().double().pow(2).sum()) for g in frozen.grads)
+        frozen.norm = total**0.5 / max(1, frozen.samples)
+        return frozen
 
     def unfreeze(self) -> None:
         """The stage was not ready to apply the frozen update after all: take requests for it again."""

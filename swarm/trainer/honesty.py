@@ -1,0 +1,318 @@
+"""Catching peers that lie about their results.
+
+A trainer spot-checks a random fraction (--spot-check) of the forward outputs and input gradients it
+receives: it sends the same request to another peer of the stage (a backward as `check_only`: the
+input gradient only, nothing accumulated) and compares the answers within a tolerance that allows
+for the codec and, in async mode, for peers predicting the pending update from different gradients.
+On a mismatch a third peer decides: the peer that disagrees with the two others is the liar. The
+trainer bans it at once (its answer is replaced by the majority's; the gradients it held are
+replayed on its mates) and publishes a signed accusation with the evidence (digests of the input
+and of both answers, the witnesses). Peers leave an accused mate out of their stage's updates;
+every other trainer stops sending it work as soon as it reads the accusation, and verifies it by
+recomputation (the same input sent to the accused and to two mates) before it bans it too. An
+accusation it cannot confirm is counted and reported, not acted on by that trainer.
+
+With only two peers in a stage a mismatch cannot be attributed: it is counted ("disputed") and
+reported. A lie smaller than the tolerance is not detected; the tolerance bounds its effect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from swarm.cluster.view import SwarmView
+from swarm.dht.node import SwarmDHT
+from swarm.dht.records import Accusation, AccusationRecord
+from swarm.policy.wiring import PeerLoad
+from swarm.trainer.router import MicrobatchFailed, MicrobatchRejected, Router, StageUnavailable
+from swarm.wire.pool import ClientPool
+from swarm.wire.protocol import pb
+from swarm.wire.tensors import WireTensor
+
+logger = logging.getLogger(__name__)
+
+# relative L2 difference two honest answers may show: float nondeterminism, the reply codec's
+# rounding (both answers are encoded), and in async mode different look-ahead predictions
+CODEC_TOLERANCE = {pb.CODEC_NONE: 1e-3, pb.CODEC_FP16: 5e-3, pb.CODEC_BF16: 3e-2, pb.CODEC_INT8_BLOCK: 6e-2}
+ASYNC_TOLERANCE = 0.1
+ACCUSATION_TTL_S = 600.0
+REPUBLISH_S = 60.0
+VERIFY_PERIOD_S = 1.0
+VERIFY_PROBES = 2  # agreeing answers from the accused that reject an accusation
+CHECK_TIMEOUT_S = 30.0
+
+
+def default_tolerance(codec_id: int, exact: bool) -> float:
+    return CODEC_TOLERANCE.get(codec_id, 0.1) + (0.0 if exact else ASYNC_TOLERANCE)
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / max(||a||, ||b||): 0 for equal answers, about 1.4 for unrelated ones."""
+    if a.shape != b.shape:
+        return float("inf")
+    a, b = a.double(), b.double()
+    scale = max(float(a.norm()), float(b.norm()), 1e-12)
+    return float((a - b).norm()) / scale
+
+
+def digest(t: torch.Tensor | None) -> str:
+    if t is None:
+        return ""
+    return hashlib.sha256(t.detach().contiguous().cpu().numpy().tobytes()).hexdigest()[:32]
+
+
+def answer(kind: str, response, output: WireTensor | None) -> torch.Tensor | None:
+    """What is compared: the output (forward) or input gradient (backward), with the loss of a last
+    stage's backward appended."""
+    parts = []
+    if output is not None:
+        parts.append(output.decode().float().reshape(-1))
+    if kind == "backward" and response is not None and response.loss:
+        parts.append(torch.tensor([float(response.loss)]))
+    return torch.cat(parts) if parts else None
+
+
+@dataclass
+class HonestyStats:
+    spot_checks: int = 0
+    mismatches: int = 0
+    disputed: int = 0  # a mismatch that could not be attributed (no third peer, or three answers)
+    accusations_confirmed: int = 0  # others' accusations this trainer verified
+    accusations_rejected: int = 0
+    banned: dict[str, dict] = field(default_factory=dict)  # peer id -> how, when, after how many calls
+
+    def summary(self) -> dict:
+        return {
+            "spot_checks": self.spot_checks,
+            "spot_check_mismatches": self.mismatches,
+            "spot_checks_disputed": self.disputed,
+            "accusations_confirmed": self.accusations_confirmed,
+            "accusations_rejected": self.accusations_rejected,
+            "liars_banned": self.banned,
+        }
+
+
+@dataclass
+class Probe:
+    """A request this trainer sent to a stage, kept to verify others' accusations with."""
+
+    kind: str
+    request: object
+    tensors: dict[str, WireTensor]
+    samples: int
+
+
+class Honesty:
+    def __init__(
+        self,
+        view: SwarmView,
+        router: Router,
+        clients: ClientPool,
+        dht: SwarmDHT,
+        trainer_id: str,
+        rate: float,
+        tolerance: float,
+        calls_by_peer,
+        seed: int = 0,
+    ) -> None:
+        self.view, self.router, self.clients, self.dht = view, router, clients, dht
+        self.trainer_id, self.rate, self.tolerance = trainer_id, rate, tolerance
+        self.calls_by_peer = calls_by_peer  # successful calls per peer (the trainer's Stats)
+        self.rng = random.Random(seed)
+        self.stats = HonestyStats()
+        self.mine: list[Accusation] = []
+        self.verified: set[str] = set()  # accused peers this trainer has judged (banned or rejected)
+        self.probes: dict[int, Probe] = {}
+        self._agreeing: collections.Counter[str] = collections.Counter()  # probes the accused passed
+        self._checks = 0
+
+    # ---- spot checks ----
+
+    def should_check(self) -> bool:
+        return self.rate > 0 and self.rng.random() < self.rate
+
+    def remember(self, stage: int, kind: str, request, tensors: dict[str, WireTensor], samples: int) -> None:
+        self.probes[stage] = Probe(kind, request, tensors, samples)
+
+    def _check_request(self, kind: str, request):
+        self._checks += 1
+        copy = type(request)()
+        copy.CopyFrom(request)
+        copy.request_id = f"{request.request_id}:check{self._checks}"
+        if kind == "backward":
+            copy.check_only = True
+            copy.contribution_id = ""
+        return copy
+
+    async def _other(self, stage: int, kind: str, request, tensors, samples: int, exclude: set[str]):
+        """The same request answered by another peer of the stage; None when there is none."""
+        try:
+            response, output, peer = await self.router.call(
+                stage, self._check_request(kind, request), tensors, samples, kind, exclude=set(exclude), retry_limit=1
+            )
+        except (StageUnavailable, MicrobatchFailed, MicrobatchRejected) as e:
+            logger.info("spot check on stage %d found no other peer to answer: %s", stage, e)
+            return None
+        if peer.peer_id in exclude:
+            return None  # the stage has no other usable peer
+        return response, output, peer
+
+    async def check(self, stage: int, kind: str, request, tensors, samples: int, first: tuple):
+        """Spot-check `first` (response, output, peer) on a stage-mate; returns the answer to use
+        (the majority's when the first peer is caught)."""
+        response, output, peer = first
+        mine = answer(kind, response, output)
+        if mine is None:
+            return first
+        second = await self._other(stage, kind, request, tensors, samples, {peer.peer_id})
+        if second is None:
+            return first
+        self.stats.spot_checks += 1
+        theirs = answer(kind, second[0], second[1])
+        error = relative_error(mine, theirs) if theirs is not None else float("inf")
+        if error <= self.tolerance:
+            return first
+        self.stats.mismatches += 1
+        third = await self._other(stage, kind, request, tensors, samples, {peer.peer_id, second[2].peer_id})
+        verdict = None if third is None else answer(kind, third[0], third[1])
+        if verdict is None:
+            self._disputed(stage, kind, peer, second[2], error, "no third peer to decide")
+            return first
+        first_ok = relative_error(mine, verdict) <= self.tolerance
+        second_ok = theirs is not None and relative_error(theirs, verdict) <= self.tolerance
+        evidence = (request, tensors)
+        if second_ok and not first_ok:
+            await self.ban(stage, kind, peer, mine, verdict, error, [second[2].peer_id, third[2].peer_id], evidence)
+            return second[0], second[1], second[2]
+        if first_ok and not second_ok:
+            liar = second[2]
+            await self.ban(stage, kind, liar, theirs, verdict, error, [peer.peer_id, third[2].peer_id], evidence)
+            return first
+        self._disputed(stage, kind, peer, second[2], error, "three different answers")
+        return first
+
+    def _disputed(self, stage: int, kind: str, a: PeerLoad, b: PeerLoad, error: float, why: str) -> None:
+        self.stats.disputed += 1
+        logger.warning(
+            "spot check: peers %s and %s of stage %d gave %s answers %.3g apart (tolerance %.3g); %s",
+            a.peer_id[-6:], b.peer_id[-6:], stage, kind, error, self.tolerance, why,
+        )  # fmt: skip
+
+    # ---- bans and accusations ----
+
+    async def ban(self, stage: int, kind: str, liar: PeerLoad, lie, truth, error: float, witnesses, evidence) -> None:
+        if liar.peer_id in self.stats.banned:
+            return
+        request, tensors = evidence
+        inputs = tensors.get("input")
+        accusation = Accusation(
+            accused=liar.peer_id, stage=stage, step=int(request.step), kind=kind,
+            input_digest=digest(inputs.decode() if inputs is not None else None),
+            accused_digest=digest(lie), majority_digest=digest(truth), error=min(error, 1e6),
+            witnesses=[w for w in witnesses][:4], time=time.time(),
+        )  # fmt: skip
+        self._banned(liar.peer_id, "caught", accusation)
+        self.mine.append(accusation)
+        await self.publish()
+        self._published(liar.peer_id, stage)
+
+    def _published(self, peer_id: str, stage: int) -> None:
+        """When the accusation was out, and the stage's step then: every update the stage agrees on
+        from then (from update `stage_step` + 1 at the latest) leaves the accused out."""
+        self.stats.banned[peer_id].update(published=time.time(), stage_step=self.view.stage_step(stage))
+
+    def _banned(self, peer_id: str, how: str, accusation: Accusation) -> None:
+        if peer_id in self.stats.banned:
+            return
+        self.verified.add(peer_id)
+        self.view.accused.setdefault(peer_id, accusation)  # no more work for it from this trainer
+        self.stats.banned[peer_id] = {
+            "how": how, "stage": accusation.stage, "time": time.time(), "calls_before": self.calls_by_peer[peer_id],
+        }  # fmt: skip
+        logger.warning(
+            "banned peer %s of stage %d (%s): its %s answer is %.3g from its mates' (tolerance %.3g)",
+            peer_id[-6:], accusation.stage, how, accusation.kind, accusation.error, self.tolerance,
+        )  # fmt: skip
+
+    async def publish(self) -> None:
+        if not self.mine:
+            return
+        record = AccusationRecord(trainer_id=self.trainer_id, accusations=self.mine[-16:])
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(None, self.dht.publish_accusations, record, ACCUSATION_TTL_S)
+        except Exception as e:  # noqa: BLE001 - republished periodically
+            logger.warning("publishing accusations failed: %s", e)
+
+    # ---- verifying others' accusations ----
+
+    async def verify(self, peer_id: str, accusation: Accusation) -> None:
+        """Send a remembered request of the accused's stage to it and to two mates: ban it if it
+        disagrees with both while they agree; reject the accusation if it agrees VERIFY_PROBES times."""
+        probe = self.probes.get(accusation.stage)
+        status = self.view.peers.get(peer_id)
+        if probe is None or status is None or not self.view.is_live(status):
+            return  # nothing to verify with yet, or it is gone (no work goes to it either way)
+        request = self._check_request(probe.kind, probe.request)
+        try:
+            response, output = await self.clients.get(status.load.address).call(
+                probe.kind, request, probe.tensors, CHECK_TIMEOUT_S
+            )
+        except Exception as e:  # noqa: BLE001 - try again later
+            logger.info("verifying the accusation of %s: it did not answer (%s)", peer_id[-6:], e)
+            return
+        theirs = answer(probe.kind, response, output)
+        mates = []
+        exclude = {peer_id}
+        for _ in range(2):
+            other = await self._other(
+                accusation.stage, probe.kind, probe.request, probe.tensors, probe.samples, exclude
+            )
+            if other is None:
+                break
+            exclude.add(other[2].peer_id)
+            mates.append((answer(probe.kind, other[0], other[1]), other[2].peer_id))
+        if len(mates) < 2 or theirs is None or mates[0][0] is None or mates[1][0] is None:
+            return
+        errors = [relative_error(theirs, m) for m, _ in mates]
+        mates_agree = relative_error(mates[0][0], mates[1][0]) <= self.tolerance
+        if mates_agree and min(errors) > self.tolerance:
+            self.stats.accusations_confirmed += 1
+            confirmed = accusation.copy(update={"error": min(min(errors), 1e6), "time": time.time()})
+            confirmed.witnesses = [p for _, p in mates]
+            self._banned(peer_id, "confirmed", confirmed)
+            self.mine.append(confirmed)
+            await self.publish()
+            self._published(peer_id, accusation.stage)
+        elif max(errors) <= self.tolerance:
+            self._agreeing[peer_id] += 1
+            if self._agreeing[peer_id] >= VERIFY_PROBES:
+                self.verified.add(peer_id)
+                self.stats.accusations_rejected += 1
+                logger.warning(
+                    "could not confirm the accusation of peer %s (stage %d): its answers agree with its mates' "
+                    "(a false accusation, or it lies only sometimes); it still gets no work",
+                    peer_id[-6:], accusation.stage,
+                )  # fmt: skip
+
+    async def run(self) -> None:
+        last_publish = time.monotonic()
+        while True:
+            await asyncio.sleep(VERIFY_PERIOD_S)
+            for peer_id, accusation in list(self.view.accused.items()):
+                if peer_id not in self.verified:
+                    try:
+                        await self.verify(peer_id, accusation)
+                    except Exception:  # noqa: BLE001 - verification must not stop training
+                        logger.exception("verifying the accusation of %s failed", peer_id[-6:])
+            if time.monotonic() - last_publish > REPUBLISH_S:
+                last_publish = time.monotonic()
+                await self.publish()
