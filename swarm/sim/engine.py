@@ -20,6 +20,8 @@ import math
 import random
 import time
 
+import numpy as np
+
 from swarm.policy.rebalance import best_assignment_throughput, join_stage
 from swarm.policy.wiring import Wiring
 from swarm.sim.churn import Churn
@@ -56,6 +58,8 @@ from swarm.sim.summary import summarize
 logger = logging.getLogger(__name__)
 
 POLL_PERIOD = 1.0  # seconds between retries of hops that found no usable peer in their stage
+JITTER_BLOCK = 8192
+STARTED_BEFORE = -1.0  # t0 of the microbatches in flight at the start (mid-way through the pipeline)
 
 
 class Simulator(Churn, Steps, Overheads):
@@ -70,7 +74,8 @@ class Simulator(Churn, Steps, Overheads):
         self.rebalance_rng = random.Random(base + 4)
         self.mb_rng = random.Random(base + 5)
         self.wiring = Wiring(random.Random(base + 7))
-        self.jitter_rng = random.Random(base + 8)
+        self.jitter_rng = np.random.default_rng(base + 8)
+        self.jitters: list[float] = []
         self.sync_rng = random.Random(base + 9)
         self.replica_rng = random.Random(base + 10)
         self.jitter_mu = -(cfg.compute_jitter**2) / 2  # mean 1
@@ -169,17 +174,17 @@ class Simulator(Churn, Steps, Overheads):
         self._push(cfg.window, TICK, 0)
 
     def _init_microbatches(self) -> None:
-        """Spread over the pipeline, as in steady state, rather than all at stage 0 (a long warm-up). A
-        microbatch that starts past some backward hops left its gradient on a peer of those stages."""
+        """Spread over the pipeline, as in steady state, rather than all at stage 0 (a warm-up of a whole
+        trip). They count in full when they complete: the run starts from a snapshot of a swarm at work.
+        A microbatch that starts past some backward hops left its gradient on a peer of those stages."""
         cfg, H = self.cfg, 2 * self.cfg.stages - 1
-        total = sum(self.hop_unit)
         hops = range(H)
         holders = [list(peers) for peers in self.serving]
         cum = list(itertools.accumulate(self.hop_unit))
         for i in range(cfg.in_flight):
             # where a microbatch spends its time: on the hops that take longest (backward, last stage)
             hop = self.mb_rng.choices(hops, cum_weights=cum)[0]
-            mb = Microbatch(i, i % cfg.trainers, hop, 0.0, credit=sum(self.hop_unit[hop:]) / total)
+            mb = Microbatch(i, i % cfg.trainers, hop, STARTED_BEFORE)
             if not self._take(mb):
                 continue
             for done in range(cfg.stages - 1, hop):
@@ -232,7 +237,7 @@ class Simulator(Churn, Steps, Overheads):
 
     def _start_trip(self, mb: Microbatch) -> None:
         """The trainer starts the slot's next microbatch (its step tag and size are set)."""
-        mb.hop, mb.t0, mb.credit, mb.sender, mb.exclude = 0, self.now, 1.0, None, NO_EXCLUDE
+        mb.hop, mb.t0, mb.sender, mb.exclude = 0, self.now, None, NO_EXCLUDE
         self._send(mb)
 
     def _send(self, mb: Microbatch) -> None:
@@ -257,12 +262,12 @@ class Simulator(Churn, Steps, Overheads):
             self.failing.add(task)
             self._push(now + self.cfg.failure_timeout, FAIL, task)
             return
-        size = mb.n * self.sample_bytes
-        src = mb.sender
+        src, bandwidth = mb.sender, self._bandwidth(peer)
         if src is None:
-            delay = self.trainer_lat + peer.lat + size / self._bandwidth(peer)
+            delay = self.trainer_lat + peer.lat + mb.n * self.sample_bytes / bandwidth
         else:
-            delay = src.lat + peer.lat + size / min(self._bandwidth(src), self._bandwidth(peer))
+            other = self._bandwidth(src)
+            delay = src.lat + peer.lat + mb.n * self.sample_bytes / (bandwidth if bandwidth < other else other)
         peer.transit[task] = None
         heapq.heappush(self.heap, (now + delay, next(self.seq), self.on_arrive, task))
 
@@ -281,8 +286,9 @@ class Simulator(Churn, Steps, Overheads):
         peer.running, peer.run_start = task, self.now
         if self.cfg.report_running:
             self._set_queue(peer, peer.queued_work)
-        jitter = self.jitter_rng.lognormvariate(self.jitter_mu, self.cfg.compute_jitter)
-        done = self.now + jitter * task.work / (peer.thr * self._cpu_share(peer))
+        if not self.jitters:  # lognormal factors of mean 1, drawn in blocks
+            self.jitters = self.jitter_rng.lognormal(self.jitter_mu, self.cfg.compute_jitter, JITTER_BLOCK).tolist()
+        done = self.now + self.jitters.pop() * task.work / (peer.thr * self._cpu_share(peer))
         heapq.heappush(self.heap, (done, next(self.seq), self.on_done, task))
 
     def _set_queue(self, peer: Peer, queued: float) -> None:
@@ -327,9 +333,8 @@ class Simulator(Churn, Steps, Overheads):
     def _complete(self, mb: Microbatch) -> None:
         now = self.now
         self.completed += 1
-        # a microbatch that started mid-way counts for the work it did here, not for a whole one
-        self.done_samples[min(self.n_windows - 1, int(now / self.cfg.window))] += mb.n * mb.credit
-        if mb.credit == 1.0:
+        self.done_samples[min(self.n_windows - 1, int(now / self.cfg.window))] += mb.n
+        if mb.t0 >= 0.0:  # a whole trip in the run
             self.trips.append((now, now - mb.t0))
         self.pacers[mb.trainer].done(mb.tag, int(mb.n))
         if self._take(mb):  # the trainer starts its next microbatch, if the pacing lets it

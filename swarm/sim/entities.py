@@ -51,11 +51,11 @@ class Microbatch:
     """A trainer's microbatch (one slot of its in-flight window), or a replay: one held backward
     re-sent to another peer of its stage after the peer holding its gradient died or left."""
 
-    __slots__ = ("mid", "trainer", "hop", "t0", "credit", "sender", "exclude", "tag", "n", "replay")
+    __slots__ = ("mid", "trainer", "hop", "t0", "sender", "exclude", "tag", "n", "replay")
 
-    def __init__(self, mid: int, trainer: int, hop: int, t0: float, credit: float) -> None:
-        self.mid, self.trainer, self.hop, self.t0 = mid, trainer, hop, t0
-        self.credit = credit  # the share of its work done in the simulation (1 unless it started mid-way)
+    def __init__(self, mid: int, trainer: int, hop: int, t0: float) -> None:
+        self.mid, self.trainer, self.hop = mid, trainer, hop
+        self.t0 = t0  # when its trip started (negative: before the run, mid-way through the pipeline)
         self.sender: Peer | None = None  # the peer that holds the activations for the next hop
         self.exclude: frozenset[str] = NO_EXCLUDE
         self.tag = 0  # the step its samples are for (swarm.policy.pacing)

@@ -51,10 +51,10 @@ def sim_load(peer_id: str, throughput: float) -> PeerLoad:
 
 class StageView:
     """One trainer's view of one stage: its peers, as a list in the order a real view lists them,
-    and as arrays by slot: queue + in flight, effective throughput, +inf for a slot not in use or a
-    peer not online."""
+    and as arrays by slot: queue + in flight (+inf for a slot not in use or a peer not online) and
+    effective throughput."""
 
-    __slots__ = ("stage", "loads", "q", "eff", "off", "buf", "free", "by_slot", "bans", "cum")
+    __slots__ = ("stage", "loads", "q", "eff", "buf", "free", "by_slot", "bans", "cum")
 
     def __init__(self, stage: int) -> None:
         self.stage = stage
@@ -62,7 +62,6 @@ class StageView:
         self.by_slot: list[PeerLoad | None] = []
         self.q = np.zeros(0)
         self.eff = np.ones(0)
-        self.off = np.zeros(0)
         self.buf = np.zeros(0)
         self.free: list[int] = []
         self.bans: dict[int, PeerLoad] = {}  # slots of peers banned at some point, checked at each pick
@@ -71,9 +70,8 @@ class StageView:
     def _grow(self) -> None:
         n = len(self.by_slot)
         size = max(8, 2 * n)
-        self.q = np.concatenate([self.q, np.zeros(size - n)])
+        self.q = np.concatenate([self.q, np.full(size - n, INF)])
         self.eff = np.concatenate([self.eff, np.ones(size - n)])
-        self.off = np.concatenate([self.off, np.full(size - n, INF)])
         self.buf = np.zeros(size)
         self.by_slot.extend([None] * (size - n))
         self.free.extend(range(size - 1, n - 1, -1))
@@ -84,9 +82,8 @@ class StageView:
         slot = self.free.pop()
         self.loads.append(load)
         self.by_slot[slot] = load
-        self.q[slot] = load.reported_queue + load.in_flight
+        self.q[slot] = load.reported_queue + load.in_flight if load.online else INF
         self.eff[slot] = load.eff
-        self.off[slot] = 0.0 if load.online else INF
         load.view, load.slot = self, slot
         self.cum = None
 
@@ -94,7 +91,7 @@ class StageView:
         slot = load.slot
         self.loads.remove(load)
         self.by_slot[slot] = None
-        self.off[slot] = INF
+        self.q[slot] = INF
         self.bans.pop(slot, None)
         self.free.append(slot)
         load.view, load.slot = None, -1
@@ -104,14 +101,14 @@ class StageView:
 def touch(load: PeerLoad) -> None:
     """The load's queue or in-flight work changed: update its slot."""
     view = load.view
-    if view is not None:
+    if view is not None and load.online:
         view.q[load.slot] = load.reported_queue + load.in_flight
 
 
 def set_online(load: PeerLoad, online: bool) -> None:
     load.online = online
     if load.view is not None:
-        load.view.off[load.slot] = 0.0 if online else INF
+        load.view.q[load.slot] = load.reported_queue + load.in_flight if online else INF
 
 
 class Router:
@@ -154,7 +151,6 @@ class Router:
         buf = view.buf
         np.add(view.q, work, out=buf)
         np.divide(buf, view.eff, out=buf)
-        np.add(buf, view.off, out=buf)
         if view.bans:
             for slot, load in list(view.bans.items()):
                 if load.banned_until > now:
@@ -166,11 +162,11 @@ class Router:
                 if load.peer_id == pid:
                     buf[load.slot] = INF
         slot = int(buf.argmin())
-        best = buf[slot]
+        best = float(buf[slot])
         if best == INF:
             return None
-        limit = best * (1 + UNIQUE_MARGIN * self.wiring.tie_tolerance) + UNIQUE_MARGIN * 1e-12
-        if np.count_nonzero(buf <= limit) > 1:
+        buf[slot] = INF
+        if buf.min() <= best * (1 + UNIQUE_MARGIN * self.wiring.tie_tolerance) + UNIQUE_MARGIN * 1e-12:
             return None  # a near-tie: let Wiring.choose decide
         return view.by_slot[slot]
 

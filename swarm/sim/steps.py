@@ -225,7 +225,7 @@ class Steps:
         S = self.cfg.stages
         hop = S - 1 if k == S - 1 else 2 * S - 2 - k  # the stage's backward hop
         while samples > 1e-9:
-            mb = Microbatch(-1, trainer, hop, self.now, 0.0)
+            mb = Microbatch(-1, trainer, hop, self.now)
             mb.tag, mb.n, mb.replay = tag, min(self.b, samples), True
             samples -= mb.n
             self.replays += 1

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
-import statistics
 from typing import Protocol
 
 from swarm.sim.config import RunResult, SimConfig
+
+WARMUP_SHARE = 0.25
 
 
 class Measured(Protocol):
@@ -70,14 +71,13 @@ def _percentile(sorted_values: list[float], q: float) -> float | None:
 
 
 def warm_up(sim: Measured) -> float:
-    """Seconds to leave out of the averages: --warmup, else 1.25 median microbatch trips, within a quarter
-    to a half of the run. The microbatches start spread over the pipeline and count only the work they do
-    in the simulation, so completions ramp up over about one trip before they measure the swarm."""
+    """Seconds to leave out of the averages: --warmup, else a quarter of the run. The run starts from a
+    snapshot of a swarm at work (microbatches spread over the pipeline, counted in full when they
+    complete), but queues, placement and the steps' rhythm take a while to settle."""
     cfg = sim.cfg
     if cfg.warmup is not None:
         return min(cfg.warmup, cfg.sim_seconds)
-    trip = statistics.median(lat for _, lat in sim.trips) if sim.trips else 0.0
-    return min(0.5 * cfg.sim_seconds, max(0.25 * cfg.sim_seconds, 1.25 * trip))
+    return WARMUP_SHARE * cfg.sim_seconds
 
 
 def summarize(sim: Measured, wall_s: float, cpu_s: float) -> RunResult:
