@@ -185,6 +185,7 @@ class RunResult:
     final_peers: int
     # steps: the barrier and the all-reduce
     sync: str = "async"
+    polling: str = "fixed"
     global_batch: float = 0.0
     steps_per_sim_step: int = 1  # optimizer steps one simulated step stands for (swarm.sim.steps)
     steps: int = 0  # the global step at the end (optimizer steps every stage applied)

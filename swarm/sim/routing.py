@@ -166,7 +166,7 @@ class Router:
         if best == INF:
             return None
         buf[slot] = INF
-        if buf.min() <= best * (1 + UNIQUE_MARGIN * self.wiring.tie_tolerance) + UNIQUE_MARGIN * 1e-12:
+        if buf[buf.argmin()] <= best * (1 + UNIQUE_MARGIN * self.wiring.tie_tolerance) + UNIQUE_MARGIN * 1e-12:
             return None  # a near-tie: let Wiring.choose decide
         return view.by_slot[slot]
 

@@ -119,6 +119,7 @@ def summarize(sim: Measured, wall_s: float, cpu_s: float) -> RunResult:
         lost_microbatches=sim.unaccounted_microbatches(),
         final_peers=len(sim.alive),
         sync=cfg.sync,
+        polling=cfg.polling,
         global_batch=cfg.global_batch,
         steps_per_sim_step=sim.k,
         steps=sim.real_step,
