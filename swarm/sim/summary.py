@@ -80,6 +80,31 @@ def warm_up(sim: Measured) -> float:
     return WARMUP_SHARE * cfg.sim_seconds
 
 
+def _step_fields(sim: Measured, first: int, durations: list[float], achieved: float, ideal: float) -> dict:
+    """The RunResult fields of the steps (barrier, rounds) and of the polling, after the warm-up."""
+    cfg = sim.cfg
+    steps = sim.step_figures(first * cfg.window)
+    overheads, ideal_oh = _overheads(sim, first, durations, ideal)
+    return {
+        "sync": cfg.sync,
+        "polling": cfg.polling,
+        "global_batch": cfg.global_batch,
+        "steps_per_sim_step": sim.k,
+        "steps": sim.real_step,
+        "step_s": _none_if_nan(steps["step_s"]),
+        "update_s": _none_if_nan(steps["update_s"]),
+        "allreduce_s": _none_if_nan(steps["allreduce_s"]),
+        "failed_rounds": sim.failed_rounds,
+        "replays": sim.replays,
+        "batch_violations": sim.batch_violations,
+        "pacing_idle_fraction": sim.idle_area / (cfg.in_flight * cfg.sim_seconds),
+        "ideal_with_overheads": ideal_oh,
+        "fraction_of_ideal_with_overheads": achieved / ideal_oh if ideal_oh > 0 else 0.0,
+        "overheads": overheads,
+        "route_fallbacks": sim.router.fallbacks,
+    }
+
+
 def summarize(sim: Measured, wall_s: float, cpu_s: float) -> RunResult:
     """Averages over the windows after the warm-up, weighted by their length."""
     cfg = sim.cfg
@@ -92,8 +117,6 @@ def summarize(sim: Measured, wall_s: float, cpu_s: float) -> RunResult:
     placed = sum(a * d for a, d in zip(sim.assignment[first:], durations[first:], strict=True)) / span
     latencies = sorted(lat for t, lat in sim.trips if t >= first * w)
     compute = sim.useful_compute + sim.wasted_compute
-    steps = sim.step_figures(first * w)
-    overheads, ideal_oh = _overheads(sim, first, durations, ideal)
     return RunResult(
         policy=cfg.policy,
         rebalance=cfg.rebalance,
@@ -118,22 +141,7 @@ def summarize(sim: Measured, wall_s: float, cpu_s: float) -> RunResult:
         microbatches_completed=sim.completed,
         lost_microbatches=sim.unaccounted_microbatches(),
         final_peers=len(sim.alive),
-        sync=cfg.sync,
-        polling=cfg.polling,
-        global_batch=cfg.global_batch,
-        steps_per_sim_step=sim.k,
-        steps=sim.real_step,
-        step_s=_none_if_nan(steps["step_s"]),
-        update_s=_none_if_nan(steps["update_s"]),
-        allreduce_s=_none_if_nan(steps["allreduce_s"]),
-        failed_rounds=sim.failed_rounds,
-        replays=sim.replays,
-        batch_violations=sim.batch_violations,
-        pacing_idle_fraction=sim.idle_area / (cfg.in_flight * cfg.sim_seconds),
-        ideal_with_overheads=ideal_oh,
-        fraction_of_ideal_with_overheads=achieved / ideal_oh if ideal_oh > 0 else 0.0,
-        overheads=overheads,
-        route_fallbacks=sim.router.fallbacks,
+        **_step_fields(sim, first, durations, achieved, ideal),
         warmup_s=first * w,
         wall_s=wall_s,
         cpu_s=cpu_s,
