@@ -114,6 +114,7 @@ def set_online(load: PeerLoad, online: bool) -> None:
 class Router:
     def __init__(self, policy: str, wiring: Wiring, rng: random.Random, views: list[list[StageView]]) -> None:
         self.policy, self.wiring, self.rng, self.views = policy, wiring, rng, views
+        self.ours = policy == "ours"
         self.check = False
         self.fallbacks = 0  # picks that went to Wiring.choose (near-ties, nothing eligible)
 
@@ -134,7 +135,7 @@ class Router:
 
     def pick(self, trainer: int, stage: int, work: float, now: float, exclude: frozenset[str]) -> PeerLoad | None:
         view = self.views[trainer][stage]
-        if self.policy != "ours":
+        if not self.ours:
             return self._pick_random(view, now, exclude)
         chosen = self._argmin(view, work, now, exclude) if view.loads else None
         if chosen is None:

@@ -146,10 +146,12 @@ class Steps:
     def _contribute(self, peer: Peer, trainer: int, tag: int, n: float) -> None:
         """A backward on `peer` for step `tag` is done: the stage holds its gradient."""
         peer.held.setdefault(tag, []).append((trainer, n))
-        counts = self.counts[peer.stage]
-        counts[tag] = counts.get(tag, 0.0) + n
-        if tag == self.stage_step[peer.stage]:
-            self._maybe_begin(peer.stage)
+        k = peer.stage
+        counts = self.counts[k]
+        held = counts[tag] = counts.get(tag, 0.0) + n
+        if tag == self.stage_step[k] and self.rounds[k] is None:
+            if held >= (self.applied[k] + 1) * self.step_batch * (1 - 1e-9):
+                self._maybe_begin(k)
 
     def _maybe_begin(self, k: int) -> None:
         """Start the round of the stage's next optimizer step if it holds that step's samples."""
