@@ -282,12 +282,14 @@ def test_rounds_slower_than_the_steps_hold_the_swarm_back():
 
 
 def test_preempted_gradients_are_replayed_and_every_update_holds_exactly_its_batch():
+    failed = 0
     for batch in (None, LARGE_BATCH):  # simulated steps of 4 optimizer steps, and of one
         r = run_sim(small(preemption_rate=4.0, join_rate=4.0, global_batch=batch))
         assert r.replays > 0  # what the dead peers held for updates not applied yet
         assert r.batch_violations == 0 and r.lost_microbatches == 0
         assert r.steps >= 2
-    assert r.failed_rounds > 0  # a member died during its stage's all-reduce
+        failed += r.failed_rounds
+    assert failed > 0  # members died during their stage's all-reduce
 
 
 def test_step_defaults_are_the_trainers():
