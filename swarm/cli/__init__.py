@@ -4,15 +4,7 @@ the tools that look at one (`tools`: local, status, export), the simulator (swar
 from __future__ import annotations
 
 import argparse
-
-from swarm.cli.roles import add_coordinator_parser, add_peer_parser, add_trainer_parser
-from swarm.cli.tools import (
-    add_chaos_parser,
-    add_export_parser,
-    add_ledger_parser,
-    add_local_parser,
-    add_status_parser,
-)
+import sys
 
 EPILOG = """\
 A local demo:       swarm local
@@ -23,6 +15,16 @@ Several terminals:  swarm coordinator --run-id demo          (prints the --initi
 
 
 def make_parser() -> argparse.ArgumentParser:
+    # imported here: the roles pull in torch and hivemind, which `swarm sim` does without (see main)
+    from swarm.cli.roles import add_coordinator_parser, add_peer_parser, add_trainer_parser
+    from swarm.cli.tools import (
+        add_chaos_parser,
+        add_export_parser,
+        add_ledger_parser,
+        add_local_parser,
+        add_status_parser,
+    )
+
     parser = argparse.ArgumentParser(
         prog="swarm",
         description="SWARM-parallel training on a swarm of unreliable machines.",
@@ -45,6 +47,18 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def make_sim_parser() -> argparse.ArgumentParser:
+    """`swarm sim` alone: the simulator imports neither torch nor hivemind, so its start-up takes a
+    fraction of a second instead of the seconds the roles' imports take."""
+    from swarm.sim.cli import add_sim_parser
+
+    parser = argparse.ArgumentParser(prog="swarm")
+    add_sim_parser(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = make_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = make_sim_parser() if argv[:1] == ["sim"] else make_parser()
+    args = parser.parse_args(argv)
     return args.func(args) or 0

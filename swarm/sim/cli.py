@@ -152,8 +152,8 @@ def add_sim_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
         "--hops-per-peer",
         type=_auto_float,
         default="auto",
-        help="hops each peer serves in a run, which sets the auto microbatch size (auto: 100, more below 300 peers); "
-        "a run costs about 25 CPU-microseconds per hop",
+        help="hops each peer serves in a run, which sets the auto microbatch size (auto: 100, up to 300,000 hops a "
+        "run in small swarms, at most 3000 per peer and simulated hour); a run costs about 25 CPU-microseconds a hop",
     )
     g.add_argument(
         "--report-running",

@@ -21,10 +21,12 @@ INITIAL_LAYOUTS = ("join", "balanced", "random", "skewed")
 SYNC_MODES = tuple(m.value for m in SyncMode)
 POLLING_MODES = ("fixed", "budget")
 SECONDS_PER_HOUR = 3600.0
-# ~4 round trips of every microbatch per run at 8 stages and 2 microbatches in flight per peer: enough
-# for the averages to settle; the cost of a run is about hops * peers per stage (Wiring.choose)
+# A run costs about 25 CPU-microseconds per hop (swarm.sim.routing keeps Wiring.choose's pick O(1) in
+# Python), so: 100 hops per peer at least, 300,000 hops per run when the swarm is small, but hops no
+# shorter than 3600 / MAX_HOPS_PER_PEER_HOUR seconds (else transfer latency, not compute, would fill them)
 DEFAULT_HOPS_PER_PEER = 100.0
 MIN_HOPS_PER_RUN = 300_000
+MAX_HOPS_PER_PEER_HOUR = 3000.0
 # the default global batch: this many seconds of the swarm's mean throughput per optimizer step
 DEFAULT_STEP_SECONDS = 60.0
 
@@ -72,7 +74,7 @@ class SimConfig:
     info_period: float = INFO_PERIOD_S  # s between two polls of one peer by one poller
     info_cost_ms: float = 0.25  # CPU ms of one Info exchange at each end (scripts/bench_info.py: 0.24-0.41)
     info_bytes: float = 400.0  # bytes of one Info exchange (request, response, gRPC framing)
-    info_budget: float = 200.0  # budget: Info answers per second one peer gives at most
+    info_budget: float = 100.0  # budget: Info answers per second one peer gives at most (5% of a core)
     dht_period: float = DHT_REFRESH_S  # s between two reads of every stage record by every process
     dht_record_bytes: float = 900.0  # bytes per peer in a stage record (signed: owner key and signature)
     dht_replicas: int = 5  # peers storing each stage record (hivemind's num_replicas)
@@ -132,6 +134,7 @@ class SimConfig:
         hops_per_peer = self.hops_per_peer
         if hops_per_peer is None:
             hops_per_peer = max(DEFAULT_HOPS_PER_PEER, MIN_HOPS_PER_RUN / self.peers)
+            hops_per_peer = min(hops_per_peer, MAX_HOPS_PER_PEER_HOUR * self.sim_seconds / SECONDS_PER_HOUR)
         b = self.microbatch_samples
         if b is None:
             # hops per peer = sim_seconds * (peers / stages * mean throughput) / b * hops_per_mb / peers
