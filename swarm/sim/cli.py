@@ -212,8 +212,8 @@ def add_sim_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
 def _add_step_options(p: argparse.ArgumentParser, d: SimConfig) -> None:
     g = p.add_argument_group(
         "steps",
-        "each stage applies update t once it holds the global batch for t (the barrier), after its peers "
-        "notice it, agree on its contents and all-reduce the gradient",
+        "each stage applies update t once it holds the global batch for t (the barrier),\n"
+        "after its peers notice it, agree on its contents and all-reduce the gradient",
     )
     g.add_argument(
         "--sync",
@@ -251,8 +251,9 @@ def _add_step_options(p: argparse.ArgumentParser, d: SimConfig) -> None:
 def _add_polling_options(p: argparse.ArgumentParser, d: SimConfig) -> None:
     g = p.add_argument_group(
         "Info polls and DHT reads",
-        "every peer polls its stage-mates' Info, every trainer every peer's, and every process reads all stage "
-        "records; each exchange costs the answering and the asking peer CPU time and bytes on its link",
+        "every peer polls its stage-mates' Info, every trainer every peer's, and every process\n"
+        "reads all stage records; each exchange costs the answering and the asking peer CPU time\n"
+        "and bytes on its link",
     )
     g.add_argument(
         "--polling",
