@@ -6,15 +6,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from swarm.cli.roles import add_coordinator_parser, add_peer_parser, add_trainer_parser
-from swarm.cli.tools import (
-    add_chaos_parser,
-    add_dashboard_parser,
-    add_export_parser,
-    add_ledger_parser,
-    add_local_parser,
-    add_status_parser,
-)
 from swarm.core.errors import ConfigError
 
 EPILOG = """\
@@ -26,6 +17,17 @@ Several terminals:  swarm coordinator --run-id demo          (prints the --initi
 
 
 def make_parser() -> argparse.ArgumentParser:
+    # imported here: the roles pull in torch and hivemind, which `swarm sim` does without (see main)
+    from swarm.cli.roles import add_coordinator_parser, add_peer_parser, add_trainer_parser
+    from swarm.cli.tools import (
+        add_chaos_parser,
+        add_dashboard_parser,
+        add_export_parser,
+        add_ledger_parser,
+        add_local_parser,
+        add_status_parser,
+    )
+
     parser = argparse.ArgumentParser(
         prog="swarm",
         description="SWARM-parallel training on a swarm of unreliable machines.",
@@ -49,8 +51,20 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def make_sim_parser() -> argparse.ArgumentParser:
+    """`swarm sim` alone: the simulator imports neither torch nor hivemind, so its start-up takes a
+    fraction of a second instead of the seconds the roles' imports take."""
+    from swarm.sim.cli import add_sim_parser
+
+    parser = argparse.ArgumentParser(prog="swarm")
+    add_sim_parser(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = make_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = make_sim_parser() if argv[:1] == ["sim"] else make_parser()
+    args = parser.parse_args(argv)
     try:
         return args.func(args) or 0
     except ConfigError as e:  # a user's mistake: one line that names the problem and the fix

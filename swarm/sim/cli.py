@@ -17,23 +17,34 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from swarm.sim.config import INITIAL_LAYOUTS, POLICIES, RunResult, SimConfig
+from swarm.sim.config import (
+    DEFAULT_STEP_SECONDS,
+    INITIAL_LAYOUTS,
+    POLICIES,
+    POLLING_MODES,
+    SYNC_MODES,
+    RunResult,
+    SimConfig,
+)
 from swarm.sim.engine import run_sim
 from swarm.sim.report import format_table, json_document, plot, write_results
 
 logger = logging.getLogger(__name__)
 
 DESCRIPTION = """\
-Discrete-event simulation of a swarm that runs the real stochastic wiring (swarm.policy.wiring) and
-rebalancing (swarm.policy.rebalance) code against simulated peers, and compares routing policies with and
-without rebalancing. By default 6 runs: ours/uniform/weighted x rebalancing on/off, all with the same
-peers, preemptions and joins. Throughputs are in training samples/s (forward+backward) of a peer on
-one stage; peer speed, bandwidth and latency are lognormal (median, sigma). See docs/SIMULATOR.md.
+Discrete-event simulation of a swarm that runs the real stochastic wiring (swarm.policy.wiring), pacing
+(swarm.policy.pacing) and rebalancing (swarm.policy.rebalance) code against simulated peers. It models
+what costs time: compute, transfers over each peer's link, the step barrier and the all-reduce of every
+stage, Info polls and DHT reads, preemptions and joins. By default one run: our wiring with
+rebalancing; --policy all --rebalance both compares ours/uniform/weighted x rebalancing on/off (6 runs,
+the same peers, preemptions and joins). Throughputs are in training samples/s (forward+backward) of a
+peer on one stage; peer speed, bandwidth and latency are lognormal (median, sigma). See docs/SIMULATOR.md.
 """
 
 EPILOG = """\
-example:  swarm sim --peers 1000 --stages 8 --json       (6 runs, plots in ./sim_out)
-          swarm sim --peers 100 --stages 4 --policy ours --rebalance on --preemption-rate 0.5
+example:  swarm sim --peers 10000 --stages 16 --polling budget      (one run, about 25 CPU-seconds)
+          swarm sim --peers 1000 --stages 8 --policy all --rebalance both --json    (6 runs, plots in ./sim_out)
+          swarm sim --peers 100 --stages 4 --sync exact --global-batch 200000 --preemption-rate 0.5
 """
 
 
@@ -64,16 +75,16 @@ def add_sim_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
     g.add_argument(
         "--policy",
         choices=[*POLICIES, "all"],
-        default="all",
-        help="routing: ours = swarm.wiring.Wiring.choose (lowest expected finish time), uniform = random "
-        "peer of the stage, weighted = random in proportion to throughput; all = the three (default)",
+        default=d.policy,
+        help="routing: ours = swarm.policy.wiring.Wiring.choose (lowest expected finish time, the default), "
+        "uniform = random peer of the stage, weighted = random in proportion to throughput; all = the three",
     )
     g.add_argument(
         "--rebalance",
         choices=["on", "off", "both"],
-        default="both",
-        help="on: swarm.rebalance.plan_move every --rebalance-period and joiners use join_stage; "
-        "off: no moves, joiners pick a random stage; both (default)",
+        default="on" if d.rebalance else "off",
+        help="on (default): swarm.policy.rebalance.plan_move every --rebalance-period and joiners use "
+        "join_stage; off: no moves, joiners pick a random stage; both: one run each",
     )
     g.add_argument("--seed", type=int, default=0, help="random seed; a run is deterministic for a seed")
     g = p.add_argument_group("peers and churn")
@@ -141,13 +152,21 @@ def add_sim_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
         "--hops-per-peer",
         type=_auto_float,
         default="auto",
-        help="hops each peer serves in a run, which sets the auto microbatch size (auto: 100, more below 300 peers)",
+        help="hops each peer serves in a run, which sets the auto microbatch size (auto: 100, up to 300,000 hops a "
+        "run in small swarms, at most 3000 per peer and simulated hour); a run costs about 25 CPU-microseconds a hop",
     )
     g.add_argument(
         "--report-running",
         action="store_true",
         help="peers report the task being computed as queued too (the real executor's queue leaves it out)",
     )
+    g.add_argument(
+        "--check-routing",
+        action="store_true",
+        help="check every pick of the fast routing against Wiring.choose itself (slow; for tests)",
+    )
+    _add_step_options(p, d)
+    _add_polling_options(p, d)
     g = p.add_argument_group("rebalancing")
     g.add_argument(
         "--rebalance-period", type=float, default=d.rebalance_period, help="s between rounds, x0.7..1.3 (%(default)s)"
@@ -171,14 +190,14 @@ def add_sim_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
         type=_auto_int,
         default="auto",
         help="movable peers per stage offered to plan_move each round, 0 = all (auto: all up to 48 peers, else 1; "
-        "plan_move costs O(peers^2 * stages) with all of them)",
+        "plan_move costs O(peers x stages) sorted comparisons per movable peer)",
     )
     g = p.add_argument_group("output")
     g.add_argument(
         "--warmup",
         type=_auto_float,
         default="auto",
-        help="s left out of the averages (auto: 1.25 median microbatch trips, a quarter to a half of the run)",
+        help="s left out of the averages (auto: a quarter of the run)",
     )
     g.add_argument("--out-dir", default="sim_out", help="where results.json and the PNG plots go (%(default)s)")
     g.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -188,6 +207,84 @@ def add_sim_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
     )
     p.set_defaults(func=cmd_sim)
     return p
+
+
+def _add_step_options(p: argparse.ArgumentParser, d: SimConfig) -> None:
+    g = p.add_argument_group(
+        "steps",
+        "each stage applies update t once it holds the global batch for t (the barrier),\n"
+        "after its peers notice it, agree on its contents and all-reduce the gradient",
+    )
+    g.add_argument(
+        "--sync",
+        choices=SYNC_MODES,
+        default=d.sync,
+        help="async (default): trainers start up to --max-staleness steps' worth of samples ahead of the slowest "
+        "stage; exact: step t+1 starts only once every stage applied t",
+    )
+    g.add_argument(
+        "--global-batch",
+        type=_auto_float,
+        default="auto",
+        help=f"samples per optimizer step (auto: {DEFAULT_STEP_SECONDS:.0f} s of the swarm's mean throughput). A "
+        "simulated step stands for several optimizer steps when the batch is small next to the samples in flight "
+        "(see docs/SIMULATOR.md, 'Coarse steps')",
+    )
+    g.add_argument(
+        "--max-staleness", type=float, default=d.max_staleness, help="async: steps ahead (%(default)s, as the trainers)"
+    )
+    g.add_argument(
+        "--ahead-after",
+        type=float,
+        default=d.ahead_after,
+        help="async: share of a step done before the next starts (%(default)s, as the trainers)",
+    )
+    g.add_argument(
+        "--stage-param-mb",
+        type=float,
+        default=d.stage_param_mb,
+        help="MB of gradient every peer of a stage all-reduces per step: a butterfly all-reduce moves about "
+        "2x this x (n-1)/n over each peer's link (default %(default)s)",
+    )
+
+
+def _add_polling_options(p: argparse.ArgumentParser, d: SimConfig) -> None:
+    g = p.add_argument_group(
+        "Info polls and DHT reads",
+        "every peer polls its stage-mates' Info, every trainer every peer's, and every process\n"
+        "reads all stage records; each exchange costs the answering and the asking peer CPU time\n"
+        "and bytes on its link",
+    )
+    g.add_argument(
+        "--polling",
+        choices=POLLING_MODES,
+        default=d.polling,
+        help="fixed (default): every --info-period and --dht-period, as the code does; budget: a peer answers at "
+        "most --info-budget polls/s (pollers stretch their period) and a record replica serves at most "
+        "--info-budget reads/s and --dht-budget-mbps",
+    )
+    g.add_argument("--info-period", type=float, default=d.info_period, help="s between polls (%(default)s)")
+    g.add_argument(
+        "--info-cost-ms", type=float, default=d.info_cost_ms, help="CPU ms per Info exchange, each end (%(default)s)"
+    )
+    g.add_argument("--info-bytes", type=float, default=d.info_bytes, help="bytes per Info exchange (%(default)s)")
+    g.add_argument(
+        "--info-budget", type=float, default=d.info_budget, help="budget: polls/s a peer answers (%(default)s)"
+    )
+    g.add_argument("--dht-period", type=float, default=d.dht_period, help="s between DHT reads (%(default)s)")
+    g.add_argument(
+        "--dht-record-bytes",
+        type=float,
+        default=d.dht_record_bytes,
+        help="bytes per peer in a stage record, signed (%(default)s)",
+    )
+    g.add_argument("--dht-replicas", type=int, default=d.dht_replicas, help="peers storing each record (%(default)s)")
+    g.add_argument(
+        "--dht-budget-mbps",
+        type=float,
+        default=d.dht_budget_mbps,
+        help="budget: Mbit/s a record replica serves (%(default)s)",
+    )
 
 
 def configs_from_args(args: argparse.Namespace) -> list[SimConfig]:
@@ -215,6 +312,21 @@ def configs_from_args(args: argparse.Namespace) -> list[SimConfig]:
         microbatch_samples=args.microbatch_samples,
         hops_per_peer=args.hops_per_peer,
         report_running=args.report_running,
+        check_routing=args.check_routing,
+        sync=args.sync,
+        global_batch=args.global_batch,
+        max_staleness=args.max_staleness,
+        ahead_after=args.ahead_after,
+        stage_param_mb=args.stage_param_mb,
+        polling=args.polling,
+        info_period=args.info_period,
+        info_cost_ms=args.info_cost_ms,
+        info_bytes=args.info_bytes,
+        info_budget=args.info_budget,
+        dht_period=args.dht_period,
+        dht_record_bytes=args.dht_record_bytes,
+        dht_replicas=args.dht_replicas,
+        dht_budget_mbps=args.dht_budget_mbps,
         rebalance_period=args.rebalance_period,
         rebalance_threshold=args.rebalance_threshold,
         move_time=args.move_time,

@@ -1,17 +1,18 @@
-"""Discrete-event simulation of a swarm, driving the real wiring (swarm.policy.wiring) and rebalancing
-(swarm.policy.rebalance) code with simulated peers, so that their behaviour at 10..10,000 peers can be measured
-without machines.
+"""Discrete-event simulation of a swarm, driving the real wiring (swarm.policy.wiring), pacing
+(swarm.policy.pacing) and rebalancing (swarm.policy.rebalance) code with simulated peers, so that their
+behaviour at 10..10,000 peers can be measured without machines.
 
 Model, in short (docs/SIMULATOR.md has the details): peers serve one stage each, FIFO, one task at a
 time; trainers keep microbatches in flight, each going forward over stages 0..S-2, forward+backward on
-the last stage, then backward S-2..0; a hop is a transfer (pure delay), queueing and compute. Peers are
-preempted (Poisson) and new ones join. A preempted peer's tasks are lost; the trainer notices after
-`failure_timeout`, bans the peer (Wiring.on_failure) and re-sends the hop to another peer of the stage.
+the last stage, then backward S-2..0; a hop is a transfer (pure delay), queueing and compute. Stages
+apply an update once they hold the global batch, after an all-reduce (swarm.sim.steps); Info polls and
+DHT reads cost the peers CPU and bandwidth (swarm.sim.overheads). Peers are preempted (Poisson) and
+new ones join. A preempted peer's tasks are lost; the trainer notices after `failure_timeout`, bans
+the peer (Wiring.on_failure) and re-sends the hop to another peer of the stage.
 """
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import itertools
 import logging
@@ -19,13 +20,16 @@ import math
 import random
 import time
 
-from swarm.policy.rebalance import best_assignment_throughput, join_stage
-from swarm.policy.wiring import PeerLoad, Wiring
+import numpy as np
+
+from swarm.policy.rebalance import best_assignment_throughput
+from swarm.policy.wiring import Wiring
 from swarm.sim.churn import Churn
-from swarm.sim.config import SECONDS_PER_HOUR, RunResult, SimConfig
+from swarm.sim.config import RunResult, SimConfig
 from swarm.sim.entities import (
     ARRIVE,
     DEAD,
+    DISCOVER,
     DONE,
     DRAINING,
     FAIL,
@@ -37,20 +41,28 @@ from swarm.sim.entities import (
     READY,
     REBALANCE,
     REMOVE,
+    REPLAY,
+    RETRY_UPDATE,
+    SEEN,
     TICK,
+    UPDATE,
     Microbatch,
     Peer,
     Task,
 )
+from swarm.sim.overheads import MIN_CPU_SHARE, MIN_LINK_SHARE, Overheads
+from swarm.sim.population import Population
+from swarm.sim.routing import Router, StageView, touch
+from swarm.sim.steps import Steps
 from swarm.sim.summary import summarize
 
 logger = logging.getLogger(__name__)
 
 POLL_PERIOD = 1.0  # seconds between retries of hops that found no usable peer in their stage
-RANDOM_PICK_TRIES = 16
+JITTER_BLOCK = 8192
 
 
-class Simulator(Churn):
+class Simulator(Population, Churn, Steps, Overheads):
     def __init__(self, cfg: SimConfig) -> None:
         self.cfg = cfg = cfg.resolved()
         S, K = cfg.stages, cfg.trainers
@@ -61,113 +73,59 @@ class Simulator(Churn):
         self.stage_rng = random.Random(base + 3)
         self.rebalance_rng = random.Random(base + 4)
         self.mb_rng = random.Random(base + 5)
-        self.route_rng = random.Random(base + 6)
         self.wiring = Wiring(random.Random(base + 7))
-        self.jitter_rng = random.Random(base + 8)
+        self.jitter_rng = np.random.default_rng(base + 8)
+        self.jitters: list[float] = []
+        self.sync_rng = random.Random(base + 9)
+        self.replica_rng = random.Random(base + 10)
         self.jitter_mu = -(cfg.compute_jitter**2) / 2  # mean 1
         self.now = 0.0
-        self.heap: list[tuple[float, int, int, object]] = []
+        self.heap: list[tuple[float, int, object, object]] = []  # (time, seq, handler, its argument)
         self.seq = itertools.count()
+        self.handlers = self._handlers()
+        self.on_arrive, self.on_done = self._arrive, self._done
+        self.report_running = cfg.report_running
+        self.last_forward, self.trip_hops = S - 1, 2 * S - 1  # hops from last_forward on are backwards
         self.b = float(cfg.microbatch_samples)
+        self.b_int = int(cfg.microbatch_samples)
         self.hop_stage = [h if h < S else 2 * S - 2 - h for h in range(2 * S - 1)]
-        self.hop_work = [
-            self.b / 3 if h < S - 1 else (self.b if h == S - 1 else 2 * self.b / 3) for h in range(2 * S - 1)
-        ]
-        self.hop_bytes = self.b * cfg.activation_kb * 1024
+        self.hop_unit = [1 / 3 if h < S - 1 else (1.0 if h == S - 1 else 2 / 3) for h in range(2 * S - 1)]
+        self.sample_bytes = cfg.activation_kb * 1024
         self.trainer_lat = cfg.latency_median_ms / 1000
-        self.views: list[list[list[PeerLoad]]] = [[[] for _ in range(S)] for _ in range(K)]
-        self.views_version = 0  # bumped whenever a view list changes (invalidates cum_weights)
-        self.cum_weights: dict[int, tuple[int, list[float]]] = {}
+        views = [[StageView(k) for k in range(S)] for _ in range(K)]
+        self.router = Router(cfg.policy, self.wiring, random.Random(base + 6), views)
+        self.router.check = cfg.check_routing
         self.by_id: dict[str, Peer] = {}
-        self.alive: list[Peer] = []
+        self.alive: list[Peer] = []  # in no particular order (preemptions pick by index)
+        self.present: dict[Peer, None] = {}  # the same peers, in the order they came
+        self.serving: list[dict[Peer, None]] = [{} for _ in range(S)]  # online or draining, in view order
+        self.placed = [0.0] * S  # throughput per stage as placement counts it (movers at their destination)
         self.next_idx = 0
+        self.draining = 0  # peers draining for a move (a rebalancing round waits for them)
         self.waiting: list[list[Microbatch]] = [[] for _ in range(S)]
         self.poll_pending = [False] * S
         self.failing: set[Task] = set()
         # counters
-        self.hops = self.retries = self.preemptions = self.joins = self.moves = self.rounds = self.completed = 0
+        self.hops = self.retries = self.preemptions = self.joins = self.moves = self.rounds_run = self.completed = 0
         self.useful_compute = self.wasted_compute = 0.0
         self.trips: list[tuple[float, float]] = []  # (finished at, latency) of whole trips
         self.n_windows = max(1, math.ceil(cfg.sim_seconds / cfg.window - 1e-9))
         self.done_samples = [0.0] * self.n_windows
         self.ideal: list[float] = []
         self.assignment: list[float] = []
+        self.overhead_series: list[dict[str, float]] = []
+        self._init_steps()
+        self._init_overheads()
         self._init_peers()
         self._init_microbatches()
-
-    # ---- setup ----
-
-    def _new_peer(self) -> Peer:
-        cfg, rng = self.cfg, self.pop_rng
-        thr = rng.lognormvariate(math.log(cfg.throughput_median), cfg.throughput_sigma)
-        bw = rng.lognormvariate(math.log(cfg.bandwidth_median_mbps * 1e6 / 8), cfg.bandwidth_sigma)
-        lat = rng.lognormvariate(math.log(cfg.latency_median_ms / 1000), cfg.latency_sigma)
-        peer = Peer(self.next_idx, thr, bw, lat, cfg.trainers)
-        self.next_idx += 1
-        self.by_id[peer.pid] = peer
-        self.alive.append(peer)
-        return peer
-
-    def _join_choice(self) -> int:
-        """A joining peer's stage: join_stage with rebalancing on (as real peers do), random otherwise."""
-        if self.cfg.rebalance:
-            return join_stage(self._stage_totals(), self.stage_rng)
-        return self.stage_rng.randrange(self.cfg.stages)
-
-    def _init_peers(self) -> None:
-        """The peers present at t=0, placed by `initial` ("join": one by one, as later joiners are)."""
-        cfg, S = self.cfg, self.cfg.stages
-        totals = [0.0] * S
-        peers: list[Peer] = []
-        for i in range(cfg.peers):
-            p = self._new_peer()
-            if cfg.initial == "join" and cfg.rebalance:
-                p.stage = join_stage(totals, self.stage_rng)
-            elif cfg.initial in ("join", "random"):
-                p.stage = self.stage_rng.randrange(S)
-            elif cfg.initial == "skewed":  # one peer on every stage, all the others on stage 0
-                p.stage = i if i < S else 0
-            totals[p.stage] += p.thr
-            peers.append(p)
-        if cfg.initial == "balanced":  # largest first onto the weakest stage: a near-optimal layout
-            totals = [0.0] * S
-            for p in sorted(peers, key=lambda q: -q.thr):
-                p.stage = join_stage(totals, self.stage_rng)
-                totals[p.stage] += p.thr
-        for p in peers:
-            p.dst = p.stage
-            self._go_online(p, placed_at=-math.inf)
-        if cfg.preemption_rate > 0:
-            self._schedule_preemption()
-        if cfg.join_rate > 0:
-            self._push(self.churn_rng.expovariate(cfg.join_rate * cfg.peers / SECONDS_PER_HOUR), JOIN, None)
-        if cfg.rebalance:
-            self._push(cfg.rebalance_period * self.rebalance_rng.uniform(0.7, 1.3), REBALANCE, None)
-        self._push(cfg.window, TICK, 0)
-
-    def _init_microbatches(self) -> None:
-        """Spread over the pipeline, as in steady state, rather than all at stage 0 (a long warm-up)."""
-        cfg, H = self.cfg, 2 * self.cfg.stages - 1
-        total = sum(self.hop_work)
-        hops = range(H)
-        for i in range(cfg.in_flight):
-            # where a microbatch spends its time: on the hops that take longest (backward, last stage)
-            hop = self.mb_rng.choices(hops, weights=self.hop_work)[0]
-            mb = Microbatch(i, i % cfg.trainers, hop, 0.0, credit=sum(self.hop_work[hop:]) / total)
-            if mb.hop > 0:
-                mb.sender = self.mb_rng.choice(self.alive)  # some peer held its activations
-            self._send(mb)
 
     # ---- events ----
 
     def _push(self, t: float, kind: int, obj: object) -> None:
-        heapq.heappush(self.heap, (t, next(self.seq), kind, obj))
+        heapq.heappush(self.heap, (t, next(self.seq), self.handlers[kind], obj))
 
-    def run(self) -> RunResult:
-        started, cpu = time.perf_counter(), time.process_time()
-        end = self.cfg.sim_seconds
-        heap, pop = self.heap, heapq.heappop
-        handlers = {
+    def _handlers(self) -> dict:
+        return {
             ARRIVE: self._arrive,
             DONE: self._done,
             FAIL: self._fail,
@@ -178,78 +136,71 @@ class Simulator(Churn):
             REMOVE: self._remove,
             REBALANCE: self._rebalance,
             TICK: self._tick,
+            UPDATE: self._update,
+            SEEN: self._seen,
+            RETRY_UPDATE: self._retry_round,
+            REPLAY: self._send,
+            DISCOVER: self._discover,
         }
+
+    def run(self) -> RunResult:
+        started, cpu = time.perf_counter(), time.process_time()
+        end = self.cfg.sim_seconds
+        heap, pop = self.heap, heapq.heappop
         while heap:
-            t, _, kind, obj = pop(heap)
+            t, _, handler, obj = pop(heap)
             if t > end:
                 break
             self.now = t
-            handlers[kind](obj)
+            handler(obj)
         self.now = end
+        self._idle_change(0)
         while len(self.ideal) < self.n_windows:  # a run whose last tick fell just past the end
             self._record_window()
         return summarize(self, time.perf_counter() - started, time.process_time() - cpu)
 
     # ---- microbatches ----
 
+    def _start_trip(self, mb: Microbatch) -> None:
+        """The trainer starts the slot's next microbatch (its step tag and size are set)."""
+        mb.hop, mb.t0, mb.sender, mb.exclude = 0, self.now, None, NO_EXCLUDE
+        self._send(mb)
+
     def _send(self, mb: Microbatch) -> None:
         """Route the microbatch's next hop to a peer of its stage (the policy under test)."""
-        now, stage, work = self.now, self.hop_stage[mb.hop], self.hop_work[mb.hop]
-        view = self.views[mb.trainer][stage]
-        load = self._pick(view, work, mb.exclude)
+        now, stage, work = self.now, self.hop_stage[mb.hop], self.hop_unit[mb.hop] * mb.n
+        router = self.router
+        load = router.pick(mb.trainer, stage, work, now, mb.exclude)
         if load is None and mb.exclude:  # every candidate was tried: give the unbanned ones another go
             mb.exclude = NO_EXCLUDE
-            load = self._pick(view, work, NO_EXCLUDE)
+            load = router.pick(mb.trainer, stage, work, now, NO_EXCLUDE)
         if load is None:
             self.waiting[stage].append(mb)
             if not self.poll_pending[stage]:
                 self.poll_pending[stage] = True
                 self._push(now + POLL_PERIOD, POLL, stage)
             return
-        peer = self.by_id[load.peer_id]
+        peer = load.peer
         load.in_flight += work
+        touch(load)
         task = Task(mb, peer, load, work)
         if peer.state == DEAD:  # still in the trainer's view: the call times out
             self.failing.add(task)
             self._push(now + self.cfg.failure_timeout, FAIL, task)
             return
-        src = mb.sender
+        src, link_used = mb.sender, self.link_used
+        bandwidth = peer.bw - link_used[peer.stage]  # Overheads._bandwidth, inlined for the common case
+        if peer.replica_of or bandwidth < MIN_LINK_SHARE * peer.bw:
+            bandwidth = self._bandwidth(peer)
         if src is None:
-            delay = self.trainer_lat + peer.lat + self.hop_bytes / peer.bw
+            delay = self.trainer_lat + peer.lat + mb.n * self.sample_bytes / bandwidth
         else:
-            delay = src.lat + peer.lat + self.hop_bytes / min(src.bw, peer.bw)
+            other = src.bw - link_used[src.stage]
+            if src.replica_of or other < MIN_LINK_SHARE * src.bw:
+                other = self._bandwidth(src)
+            delay = src.lat + peer.lat + mb.n * self.sample_bytes / (bandwidth if bandwidth < other else other)
         peer.transit[task] = None
-        self._push(now + delay, ARRIVE, task)
-
-    def _pick(self, view: list[PeerLoad], work: float, exclude: frozenset[str]) -> PeerLoad | None:
-        if self.cfg.policy == "ours":
-            return self.wiring.choose(view, work, self.now, exclude)
-        return self._pick_random(view, exclude)
-
-    def _pick_random(self, view: list[PeerLoad], exclude: frozenset[str]) -> PeerLoad | None:
-        """uniform / weighted: a random eligible peer (Wiring.eligible's rule), by rejection sampling
-        from the whole view, which is exact and O(log n) instead of O(n) per hop."""
-        now, rng = self.now, self.route_rng
-        if self.cfg.policy == "weighted":
-            key = id(view)
-            cached = self.cum_weights.get(key)
-            if cached is None or cached[0] != self.views_version:
-                cached = (self.views_version, list(itertools.accumulate(p.throughput for p in view)))
-                self.cum_weights[key] = cached
-            cum = cached[1]
-        for _ in range(RANDOM_PICK_TRIES if view else 0):
-            if self.cfg.policy == "weighted":
-                p = view[min(len(view) - 1, bisect.bisect(cum, rng.random() * cum[-1]))]
-            else:
-                p = view[rng.randrange(len(view))]
-            if p.online and p.banned_until <= now and p.peer_id not in exclude:
-                return p
-        eligible = self.wiring.eligible(view, now, exclude)  # most of the view is ineligible: do it the slow way
-        if not eligible:
-            return None
-        if self.cfg.policy == "uniform":
-            return rng.choice(eligible)
-        return rng.choices(eligible, weights=[p.throughput for p in eligible])[0]
+        heapq.heappush(self.heap, (now + delay, next(self.seq), self.on_arrive, task))
 
     def _arrive(self, task: Task) -> None:
         if task.lost:
@@ -266,39 +217,49 @@ class Simulator(Churn):
         peer.running, peer.run_start = task, self.now
         if self.cfg.report_running:
             self._set_queue(peer, peer.queued_work)
-        jitter = self.jitter_rng.lognormvariate(self.jitter_mu, self.cfg.compute_jitter)
-        self._push(self.now + jitter * task.work / peer.thr, DONE, task)
+        if not self.jitters:  # lognormal factors of mean 1, drawn in blocks
+            self.jitters = self.jitter_rng.lognormal(self.jitter_mu, self.cfg.compute_jitter, JITTER_BLOCK).tolist()
+        share = self.cpu_free[peer.stage]  # Overheads._cpu_share, inlined for the common case
+        if peer.replica_of or share < MIN_CPU_SHARE:
+            share = self._cpu_share(peer)
+        done = self.now + self.jitters.pop() * task.work / (peer.thr * share)
+        heapq.heappush(self.heap, (done, next(self.seq), self.on_done, task))
 
     def _set_queue(self, peer: Peer, queued: float) -> None:
         """The peer's queue as the trainers see it (they poll peers' Info several times a second). Like
         the real executor's queue_length it leaves out the task being computed, unless report_running."""
         peer.queued_work = queued
-        if self.cfg.report_running and peer.running is not None:
+        if self.report_running and peer.running is not None:
             queued += peer.running.work
         for load in peer.loads:
             load.reported_queue = queued
+            touch(load)
 
     def _done(self, task: Task) -> None:
         if task.lost:
             return
-        peer, mb = task.peer, task.mb
+        peer, mb, load = task.peer, task.mb, task.load
         peer.running = None
-        if self.cfg.report_running:
+        if self.report_running:
             self._set_queue(peer, peer.queued_work)
         self.hops += 1
         self.useful_compute += self.now - peer.run_start
-        task.load.in_flight -= task.work
-        Wiring.on_success(task.load)
-        mb.hop += 1
-        mb.sender = peer
-        mb.exclude = NO_EXCLUDE
-        if mb.hop == len(self.hop_stage):
-            self._complete(mb)
-        else:
-            self._send(mb)
+        load.in_flight -= task.work
+        touch(load)
+        Wiring.on_success(load)
+        hop = mb.hop
+        if hop >= self.last_forward:  # a backward: the stage now holds this gradient
+            self._contribute(peer, mb.trainer, mb.tag, mb.n)
+        if not mb.replay:
+            mb.hop, mb.sender, mb.exclude = hop + 1, peer, NO_EXCLUDE
+            if hop + 1 == self.trip_hops:
+                self._complete(mb)
+            else:
+                self._send(mb)
         if peer.queue:
             nxt = peer.queue.popleft()
-            self._set_queue(peer, max(0.0, peer.queued_work - nxt.work))
+            queued = peer.queued_work - nxt.work
+            self._set_queue(peer, queued if queued > 0.0 else 0.0)
             self._start(peer, nxt)
         elif peer.state == DRAINING:
             self._maybe_finish_drain(peer)
@@ -306,19 +267,22 @@ class Simulator(Churn):
     def _complete(self, mb: Microbatch) -> None:
         now = self.now
         self.completed += 1
-        # a microbatch that started mid-way counts for the work it did here, not for a whole one
-        self.done_samples[min(self.n_windows - 1, int(now / self.cfg.window))] += self.b * mb.credit
-        if mb.credit == 1.0:
+        self.done_samples[min(self.n_windows - 1, int(now / self.cfg.window))] += mb.n
+        if mb.t0 >= 0.0:  # a whole trip in the run
             self.trips.append((now, now - mb.t0))
-        mb.hop, mb.t0, mb.credit, mb.sender = 0, now, 1.0, None  # the trainer starts its next microbatch
-        self._send(mb)
+        self.pacers[mb.trainer].done(mb.tag, int(mb.n))
+        if self._take(mb):  # the trainer starts its next microbatch, if the pacing lets it
+            self._start_trip(mb)
+        self._wake(mb.trainer)  # samples done may let held-back slots start
 
     def _fail(self, task: Task) -> None:
         """The trainer notices the failed call: ban the peer, re-send the hop elsewhere."""
         self.failing.discard(task)
         mb = task.mb
         task.load.in_flight -= task.work
+        touch(task.load)
         self.wiring.on_failure(task.load, self.now)
+        self.router.banned(task.load)
         self.retries += 1
         mb.exclude = mb.exclude | {task.peer.pid}
         self._send(mb)
@@ -329,26 +293,14 @@ class Simulator(Churn):
         for mb in waiting:
             self._send(mb)
 
-    # ---- peers ----
-
-    def _go_online(self, peer: Peer, placed_at: float) -> None:
-        peer.state, peer.placed_at = ONLINE, placed_at
-        for t, load in enumerate(peer.loads):
-            load.stage, load.online, load.in_flight, load.reported_queue = peer.stage, True, 0.0, 0.0
-            self.views[t][peer.stage].append(load)
-        self.views_version += 1
-        if self.waiting[peer.stage] and not self.poll_pending[peer.stage]:
-            self.poll_pending[peer.stage] = True
-            self._push(self.now, POLL, peer.stage)
-
-    def _ready(self, peer: Peer) -> None:
-        if peer.state != DEAD:
-            self._go_online(peer, self.now)
-
     # ---- metrics ----
 
     def _tick(self, k: int) -> None:
         self._record_window()
+        placed = [0.0] * self.cfg.stages  # recomputed now and then, so that float drift never builds up
+        for p in self.present:
+            placed[self._placed_stage(p)] += p.thr
+        self.placed = placed
         if k + 1 < self.n_windows:
             self._push(min(self.cfg.sim_seconds, (k + 2) * self.cfg.window), TICK, k + 1)
 
@@ -360,17 +312,20 @@ class Simulator(Churn):
             if p.state in (ONLINE, DRAINING):
                 serving[p.stage] += p.thr
         self.assignment.append(min(serving))
+        self.overhead_series.append(self._overhead_snapshot())
 
     def unaccounted_microbatches(self) -> int:
-        """Microbatches that are neither in flight, nor waiting, nor about to be retried (must be 0)."""
+        """Microbatches that are neither in flight, nor waiting, nor about to be retried, nor held back
+        by the pacing (must be 0)."""
         seen: set[int] = set()
         for p in self.alive:
             for task in itertools.chain(p.queue, p.transit, [p.running] if p.running else []):
                 seen.add(task.mb.mid)
         for task in self.failing:
             seen.add(task.mb.mid)
-        for waiting in self.waiting:
+        for waiting in itertools.chain(self.waiting, self.idle):
             seen.update(mb.mid for mb in waiting)
+        seen.discard(-1)  # replays
         return self.cfg.in_flight - len(seen)
 
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
-import statistics
 from typing import Protocol
 
 from swarm.sim.config import RunResult, SimConfig
+
+WARMUP_SHARE = 0.25
 
 
 class Measured(Protocol):
@@ -18,6 +19,14 @@ class Measured(Protocol):
     done_samples: list[float]
     ideal: list[float]
     assignment: list[float]
+    overhead_series: list[dict[str, float]]
+    real_step: int
+    k: int
+    failed_rounds: int
+    replays: int
+    batch_violations: int
+    idle_area: float
+    router: object
     useful_compute: float
     wasted_compute: float
     b: float
@@ -25,12 +34,34 @@ class Measured(Protocol):
     preemptions: int
     joins: int
     moves: int
-    rounds: int
+    rounds_run: int
     hops: int
     completed: int
     alive: list
 
     def unaccounted_microbatches(self) -> int: ...
+
+    def step_figures(self, start: float) -> dict[str, float]: ...
+
+
+def _none_if_nan(x: float) -> float | None:
+    return None if math.isnan(x) else x
+
+
+def _overheads(sim: Measured, first: int, durations: list[float], ideal: float) -> tuple[dict[str, float], float]:
+    """Means of the polling figures after the warm-up, and the ideal with the overheads the peers would
+    pay at the ideal assignment: their polling CPU share and, in exact mode, one update round per step."""
+    span = sum(durations[first:])
+    snapshots = sim.overhead_series[first:]
+    means = {
+        key: sum(s[key] * d for s, d in zip(snapshots, durations[first:], strict=True)) / span for key in snapshots[0]
+    }
+    with_overheads = ideal * means.pop("ideal_cpu_share")
+    update = sim.step_figures(first * sim.cfg.window)["update_s"]
+    if sim.cfg.sync == "exact" and with_overheads > 0 and not math.isnan(update):
+        batch = sim.cfg.global_batch  # per optimizer step, which pays one round
+        with_overheads = batch / (batch / with_overheads + update)
+    return means, with_overheads
 
 
 def _percentile(sorted_values: list[float], q: float) -> float | None:
@@ -40,14 +71,38 @@ def _percentile(sorted_values: list[float], q: float) -> float | None:
 
 
 def warm_up(sim: Measured) -> float:
-    """Seconds to leave out of the averages: --warmup, else 1.25 median microbatch trips, within a quarter
-    to a half of the run. The microbatches start spread over the pipeline and count only the work they do
-    in the simulation, so completions ramp up over about one trip before they measure the swarm."""
+    """Seconds to leave out of the averages: --warmup, else a quarter of the run. The run starts from a
+    snapshot of a swarm at work (microbatches spread over the pipeline, counted in full when they
+    complete), but queues, placement and the steps' rhythm take a while to settle."""
     cfg = sim.cfg
     if cfg.warmup is not None:
         return min(cfg.warmup, cfg.sim_seconds)
-    trip = statistics.median(lat for _, lat in sim.trips) if sim.trips else 0.0
-    return min(0.5 * cfg.sim_seconds, max(0.25 * cfg.sim_seconds, 1.25 * trip))
+    return WARMUP_SHARE * cfg.sim_seconds
+
+
+def _step_fields(sim: Measured, first: int, durations: list[float], achieved: float, ideal: float) -> dict:
+    """The RunResult fields of the steps (barrier, rounds) and of the polling, after the warm-up."""
+    cfg = sim.cfg
+    steps = sim.step_figures(first * cfg.window)
+    overheads, ideal_oh = _overheads(sim, first, durations, ideal)
+    return {
+        "sync": cfg.sync,
+        "polling": cfg.polling,
+        "global_batch": cfg.global_batch,
+        "steps_per_sim_step": sim.k,
+        "steps": sim.real_step,
+        "step_s": _none_if_nan(steps["step_s"]),
+        "update_s": _none_if_nan(steps["update_s"]),
+        "allreduce_s": _none_if_nan(steps["allreduce_s"]),
+        "failed_rounds": sim.failed_rounds,
+        "replays": sim.replays,
+        "batch_violations": sim.batch_violations,
+        "pacing_idle_fraction": sim.idle_area / (cfg.in_flight * cfg.sim_seconds),
+        "ideal_with_overheads": ideal_oh,
+        "fraction_of_ideal_with_overheads": achieved / ideal_oh if ideal_oh > 0 else 0.0,
+        "overheads": overheads,
+        "route_fallbacks": sim.router.fallbacks,
+    }
 
 
 def summarize(sim: Measured, wall_s: float, cpu_s: float) -> RunResult:
@@ -81,11 +136,12 @@ def summarize(sim: Measured, wall_s: float, cpu_s: float) -> RunResult:
         preemptions=sim.preemptions,
         joins=sim.joins,
         moves=sim.moves,
-        rebalance_rounds=sim.rounds,
+        rebalance_rounds=sim.rounds_run,
         hops=sim.hops,
         microbatches_completed=sim.completed,
         lost_microbatches=sim.unaccounted_microbatches(),
         final_peers=len(sim.alive),
+        **_step_fields(sim, first, durations, achieved, ideal),
         warmup_s=first * w,
         wall_s=wall_s,
         cpu_s=cpu_s,
