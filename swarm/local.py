@@ -96,6 +96,10 @@ def aggregate(summaries: list[dict], wall_s: float) -> dict:
         "microbatches_rejected": sum(s.get("microbatches_rejected", 0) for s in summaries),
         "microbatches_cancelled": sum(s.get("microbatches_cancelled", 0) for s in summaries),
         "failed_calls_by_code": dict(sum((Counter(s.get("failed_calls_by_code", {})) for s in summaries), Counter())),
+        "spot_checks": sum(s.get("spot_checks", 0) for s in summaries),
+        "spot_check_mismatches": sum(s.get("spot_check_mismatches", 0) for s in summaries),
+        "spot_checks_disputed": sum(s.get("spot_checks_disputed", 0) for s in summaries),
+        "liars_banned": sorted({p for s in summaries for p in s.get("liars_banned", {})}),
     }
 
 
