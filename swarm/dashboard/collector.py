@@ -59,6 +59,7 @@ class LiveSource:
         self.events_total: collections.Counter[str] = collections.Counter()
         self.history: dict[str, list] = {k: [] for k in HISTORY_KEYS}
         self._seen_events: set[tuple] = set()
+        self._accused: set[str] = set()
         self._dead: set[str] = set()
         self._failures: dict[tuple[str, str], int] = {}  # (trainer, peer suffix) -> failed calls
         self._last_dht = 0.0
@@ -103,6 +104,10 @@ class LiveSource:
         return next((p for p in self.view.peers if suffix and p.endswith(suffix)), suffix)
 
     def _observe(self, s: PeerStatus, state: str) -> None:
+        if state == ACCUSED and s.peer_id not in self._accused:
+            self._accused.add(s.peer_id)
+            a = self.view.accused[s.peer_id]
+            self._event(a.time, "ban", s.peer_id, f"caught lying: its {a.kind} answer is {a.error:.3g} off its mates'")
         if state == DEAD and s.peer_id not in self._dead:
             self._dead.add(s.peer_id)
             self._event(time.time(), "failure", s.peer_id, f"stopped answering (stage {s.stage})")

@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 # no longer answering Info
 DEAD = "dead"
 ACCUSED = "accused"  # a trainer caught it lying (swarm.trainer.honesty): no work, no part in updates
-PEER_STATES = (*(s.value for s in PeerState), DEAD)
+PEER_STATES = (*(s.value for s in PeerState), DEAD, ACCUSED)
 LIVE_STATES = tuple(s.value for s in PeerState if s.serving)
 EVENT_KINDS = ("join", "leave", "move", "failure", "ban", "averaging_failed", "checkpoint")
 HISTORY_KEYS = ("time", "step", "loss", "val_loss", "samples_per_s", "peers_per_stage")
