@@ -88,6 +88,7 @@ class HonestyStats:
     accusations_confirmed: int = 0  # others' accusations this trainer verified
     accusations_rejected: int = 0
     banned: dict[str, dict] = field(default_factory=dict)  # peer id -> how, when, after how many calls
+    max_agreeing_error: float = 0.0  # the largest difference seen between answers within the tolerance
 
     def summary(self) -> dict:
         return {
@@ -97,6 +98,7 @@ class HonestyStats:
             "accusations_confirmed": self.accusations_confirmed,
             "accusations_rejected": self.accusations_rejected,
             "liars_banned": self.banned,
+            "spot_check_max_agreeing_error": self.max_agreeing_error,
         }
 
 
@@ -179,6 +181,7 @@ class Honesty:
         theirs = answer(kind, second[0], second[1])
         error = relative_error(mine, theirs) if theirs is not None else float("inf")
         if error <= self.tolerance:
+            self.stats.max_agreeing_error = max(self.stats.max_agreeing_error, error)
             return first
         self.stats.mismatches += 1
         third = await self._other(stage, kind, request, tensors, samples, {peer.peer_id, second[2].peer_id})
