@@ -100,7 +100,7 @@ def aggregate(summaries: list[dict], wall_s: float) -> dict:
         "spot_check_mismatches": sum(s.get("spot_check_mismatches", 0) for s in summaries),
         "spot_checks_disputed": sum(s.get("spot_checks_disputed", 0) for s in summaries),
         "liars_banned": sorted({p for s in summaries for p in s.get("liars_banned", {})}),
-        "spot_check_max_agreeing_error": max(s.get("spot_check_max_agreeing_error", 0.0) for s in summaries),
+        "spot_check_max_agreeing_error": max([0.0, *(s.get("spot_check_max_agreeing_error", 0.0) for s in summaries)]),
     }
 
 
