@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 
 from swarm.core.states import PeerState
-from swarm.dashboard.source import DEAD, HISTORY_KEYS, LIVE_STATES
+from swarm.dashboard.source import ACCUSED, DEAD, HISTORY_KEYS, LIVE_STATES
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,9 @@ def _peer(rng: random.Random, stage: int, state: str, step: int) -> dict:
     }
 
 
-_STATE_ODDS = ((PeerState.JOINING, 0.03), (PeerState.DRAINING, 0.06), (DEAD, 0.08), (PeerState.OFFLINE, 0.10))
+_STATE_ODDS = (
+    (PeerState.JOINING, 0.03), (ACCUSED, 0.035), (PeerState.DRAINING, 0.065), (DEAD, 0.085), (PeerState.OFFLINE, 0.10),
+)  # fmt: skip
 
 
 def _pick_state(rng: random.Random) -> str:
