@@ -24,7 +24,7 @@ CALLS_BOUND = 40
 def options(**extra):
     return dict(
         stages=2, stage_layout=[3, 1], trainers=2, steps=STEPS,
-        run_args=run_args(codec="none", sync="exact", seed=0),
+        run_args=run_args(codec="none", sync="exact", seed=0), peer_args=["--no-rebalance"],
         trainer_args=["--spot-check", "0.25", "--val-samples", "64", "--val-every", "0"], **extra,
     )  # fmt: skip
 
@@ -57,9 +57,12 @@ def test_a_lying_peer_is_banned_by_every_trainer_and_left_out_of_updates(make_sw
     assert all(set(s["liars_banned"]) == {liar} for s in lying)  # no honest peer banned
     first = min(bans, key=lambda b: b["time"])
     assert first["how"] == "caught" and first["calls_before"] <= CALLS_BOUND, bans
+    assert all(b["stage"] == 0 for b in bans)
 
     # every update of stage 0 agreed after the (first) accusation was out leaves the liar out
     after = [e for e in entries if e.stage == 0 and e.step > first["stage_step"]]
+    assert [e for e in entries if e.stage == 0 and liar in {p for p, _ in e.members}], "it was a member before"
+
     assert after, "the run went on after the ban"
     assert not [e.step for e in after if liar in {p for p, _ in e.members}]
 
