@@ -18,6 +18,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from swarm.core.errors import ConfigError
 from swarm.core.procs import ManagedProcess
 from swarm.core.settings import setting
 
@@ -55,11 +56,12 @@ class LocalOptions:
     def layout(self) -> list[int]:
         layout = self.stage_layout or [self.peers_per_stage] * self.stages
         if len(layout) != self.stages:
-            raise ValueError(
-                f"--stage-layout {','.join(map(str, layout))} has {len(layout)} entries for {self.stages} stages"
+            raise ConfigError(
+                f"--stage-layout {','.join(map(str, layout))} has {len(layout)} entries for {self.stages} stages: "
+                "give one count per stage (or leave --stages out)"
             )
         if min(layout) < 1:
-            raise ValueError("every stage needs at least one peer in --stage-layout")
+            raise ConfigError("every stage needs at least one peer: no 0 in --stage-layout or --peers-per-stage")
         return layout
 
 

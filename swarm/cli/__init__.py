@@ -4,6 +4,7 @@ the tools that look at one (`tools`: local, status, export), the simulator (swar
 from __future__ import annotations
 
 import argparse
+import sys
 
 from swarm.cli.roles import add_coordinator_parser, add_peer_parser, add_trainer_parser
 from swarm.cli.tools import (
@@ -13,6 +14,7 @@ from swarm.cli.tools import (
     add_local_parser,
     add_status_parser,
 )
+from swarm.core.errors import ConfigError
 
 EPILOG = """\
 A local demo:       swarm local
@@ -46,5 +48,12 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand. A user's mistake (ConfigError, from wherever it is found) ends here: one line on
+    stderr that names the problem and the fix, exit code 2, no traceback; every command stops what it
+    started before the error reaches this point."""
     args = make_parser().parse_args(argv)
-    return args.func(args) or 0
+    try:
+        return args.func(args) or 0
+    except ConfigError as e:
+        print(f"swarm {args.command}: error: {e}", file=sys.stderr, flush=True)
+        return 2

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import uuid
 
 from swarm.cli.common import add_join_args, initial_peers, install_uvloop
 from swarm.cli.run_options import add_run_options, build_run_config
 from swarm.core.debug import add_debug_args, fault_plan_from_args
+from swarm.core.errors import ConfigError
 from swarm.core.log import setup_logging
+from swarm.core.preflight import check_port_free, check_reachable, check_writable_dir, parse_maddrs
 from swarm.core.settings import add_settings, default_of, from_args
 
 
@@ -39,8 +42,14 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         run = RunConfig.from_json(args.config_json)
     else:
         run = build_run_config(args, args.run_id or f"run-{uuid.uuid4().hex[:8]}", args.stages, args.num_trainers)
+    cfg = from_args(CoordinatorConfig, args)
+    check_port_free(cfg.host, cfg.port, "--port")
+    if cfg.maddrs_file:
+        check_writable_dir(os.path.dirname(os.path.abspath(cfg.maddrs_file)), "--maddrs-file's folder")
+    if cfg.initial_peers:
+        check_reachable(parse_maddrs(cfg.initial_peers))
     install_uvloop()
-    return asyncio.run(run_coordinator(run, from_args(CoordinatorConfig, args)))
+    return asyncio.run(run_coordinator(run, cfg))
 
 
 def add_peer_parser(sub) -> None:
@@ -58,6 +67,7 @@ def add_peer_parser(sub) -> None:
 def cmd_peer(args: argparse.Namespace) -> int:
     from swarm.peer.config import PeerConfig
     from swarm.peer.daemon import run_peer
+    from swarm.peer.preflight import check_settings
     from swarm.training.averaging import AveragingConfig
 
     setup_logging("peer", args.log_level)
@@ -66,8 +76,13 @@ def cmd_peer(args: argparse.Namespace) -> int:
         cfg = from_args(PeerConfig, args, initial_peers=initial_peers(args), averaging=averaging)
         faults = fault_plan_from_args(args)
     except ValueError as e:
-        raise SystemExit(f"swarm peer: {e}") from None
+        raise ConfigError(str(e)) from None
     install_uvloop()
+    if cfg.check:
+        from swarm.peer.check import run_check
+
+        return run_check(cfg)
+    check_settings(cfg)  # before anything starts
     return asyncio.run(run_peer(cfg, faults, args.profile_dir))
 
 
@@ -86,6 +101,9 @@ def cmd_trainer(args: argparse.Namespace) -> int:
 
     setup_logging("trainer", args.log_level)
     cfg = from_args(TrainerConfig, args, initial_peers=initial_peers(args))
+    if cfg.sample_log:
+        check_writable_dir(os.path.dirname(os.path.abspath(cfg.sample_log)), "--sample-log's folder")
+    check_reachable(parse_maddrs(cfg.initial_peers))
     install_uvloop()
     asyncio.run(run_trainer(cfg))
     return 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from swarm.core.errors import ConfigError
 from swarm.core.settings import add_settings, given
 from swarm.training.config import MODEL_PRESETS, OptimConfig, RunConfig, model_spec_from_text
 from swarm.training.data import DataConfig
@@ -31,11 +32,11 @@ def _read_config_file(path: str) -> dict:
         with open(path) as f:
             base = json.load(f)
     except OSError as e:
-        raise SystemExit(f"cannot read --config {path}: {e.strerror}") from None
+        raise ConfigError(f"cannot read --config {path}: {e.strerror}: give a run config JSON file") from None
     except ValueError as e:
-        raise SystemExit(f"--config {path} is not valid JSON: {e}") from None
+        raise ConfigError(f"--config {path} is not valid JSON ({e}): fix the file") from None
     if not isinstance(base, dict):
-        raise SystemExit(f"--config {path} must hold a JSON object")
+        raise ConfigError(f"--config {path} must hold a JSON object of run config fields")
     return base
 
 
@@ -78,4 +79,4 @@ def build_run_config(
             **fields,
         )
     except (TypeError, ValueError) as e:
-        raise SystemExit(f"invalid run configuration: {e}") from None
+        raise ConfigError(f"invalid run configuration: {e}") from None

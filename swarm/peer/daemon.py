@@ -30,6 +30,7 @@ from swarm.peer.config import PeerConfig
 from swarm.peer.membership import Membership
 from swarm.peer.partials import MatePartials
 from swarm.peer.placement import PlacementLoop
+from swarm.peer.preflight import resolve_device
 from swarm.peer.records import EventLog, PeerRecords
 from swarm.peer.server import StageService, start_server
 from swarm.peer.serving import Limits, ServingState
@@ -43,15 +44,6 @@ CONFIG_CHECK_S = 30.0  # how often a peer checks that the run config record is s
 CONFIG_TTL_S = 120.0
 SERVER_GRACE_S = 1.0
 FAULT_LEAVE_HOLD_S = 2.0  # the leave fault: how long the peer looks online with its compute stopped
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda requested but CUDA is not available: use --device cpu (or auto)")
-    return device
 
 
 class Peer:
@@ -78,10 +70,16 @@ class Peer:
             torch.set_num_threads(cfg.threads)
         # on the main thread, which outlives the DHT process (see swarm.dht.node._DyingDHT)
         self.dht = SwarmDHT(
-            cfg.run_id, cfg.initial_peers, host=cfg.host, port=cfg.dht_port, announce_host=cfg.announce_host
-        )
+            cfg.run_id, cfg.initial_peers, host=cfg.host, port=cfg.dht_port, announce_host=cfg.announce_host,
+            identity_path=cfg.identity_path,
+        )  # fmt: skip
         set_context(peer=self.dht.peer_id[-6:])
         run = await loop.run_in_executor(None, fetch_run_config, self.dht, cfg.join_timeout_s)
+        if cfg.stage != "auto" and not 0 <= int(cfg.stage) < run.num_stages:
+            raise ConfigError(
+                f"--stage {cfg.stage} is out of range: run {run.run_id!r} has {run.num_stages} stages "
+                f"(0..{run.num_stages - 1}); use one of those or --stage auto"
+            )
         self.serving = ServingState(run.run_id, self.dht.peer_id, __version__)
         self.serving.codec = codec_from_name(run.codec)
         self.serving.exact = run.exact
@@ -195,7 +193,8 @@ class Peer:
         m = self.membership
         counters = self.counters()
         print(COUNTERS_PREFIX + json.dumps(counters), flush=True)
-        logger.info("shutting down: %s", json.dumps(counters))
+        if self.serving is not None:  # quiet when the start failed: the error is the one line to read
+            logger.info("shutting down: %s", json.dumps(counters))
         loop = asyncio.get_running_loop()
         if m is not None and m.runtime is not None:
             self.events.add("leave", publish=False, stage=m.stage)
@@ -218,7 +217,8 @@ class Peer:
         await self.clients.close()
         if self.dht is not None:
             await loop.run_in_executor(None, self.dht.shutdown)
-        logger.info("stopped")
+        if self.serving is not None:
+            logger.info("stopped")
 
 
 async def run_peer(cfg: PeerConfig, faults: FaultPlan | None = None, profile_dir: str | None = None) -> int:

@@ -51,7 +51,7 @@ class DataConfig:
         if self.kind not in DATASET_KINDS:
             raise ValueError(f"unknown dataset kind {self.kind!r}; choose stdlib, text, tokens or synthetic")
         if self.kind in ("text", "tokens") and not self.path:
-            raise ValueError(f"dataset kind {self.kind!r} needs a path")
+            raise ValueError(f"--dataset {self.kind} needs --data-path (a folder of text files, or a .bin token file)")
         if not 0.0 < self.val_fraction < 0.5:
             raise ValueError(f"val_fraction must be in (0, 0.5), got {self.val_fraction}")
 
@@ -168,15 +168,15 @@ def load_dataset(cfg: DataConfig, model_spec: dict) -> Dataset:
     elif kind == "text":
         root = Path(cfg.path).expanduser().resolve()
         if not root.is_dir():
-            raise ValueError(f"text dataset path {root} is not a folder")
+            raise ValueError(f"--data-path {root} is not a folder: give a folder of text files for --dataset text")
         files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
         if not files:
-            raise ValueError(f"no text files ({', '.join(sorted(TEXT_SUFFIXES))}) under {root}")
+            raise ValueError(f"no text files ({', '.join(sorted(TEXT_SUFFIXES))}) under --data-path {root}: add some")
         train, val = _split_files(files, root, cfg.val_fraction, cfg.max_bytes)
     else:
         path = Path(cfg.path).expanduser().resolve()
         if not path.is_file():
-            raise ValueError(f"token file {path} does not exist")
+            raise ValueError(f"--data-path {path} is not a file: give a uint16 token file (.bin) for --dataset tokens")
         tokens = np.memmap(path, dtype=np.uint16, mode="r")
         val_path = path.with_name("val.bin")
         if val_path.exists() and val_path != path:
