@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import sys
 import uuid
 
@@ -54,6 +55,7 @@ def cmd_local(args: argparse.Namespace) -> int:
     )
     opts.layout()
     check_local(opts, run, args.checkpoint_dir)  # before any process starts
+    signal.signal(signal.SIGTERM, _interrupt)  # stop everything (and remove a --netns lab) as on Ctrl-C
     try:
         run_local(opts, as_json=args.json)
     except KeyboardInterrupt:
@@ -62,11 +64,23 @@ def cmd_local(args: argparse.Namespace) -> int:
     return 0
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def check_local(opts: LocalOptions, run, checkpoint_dir: str | None) -> None:
     """What `swarm local` can check before it starts a process: the model builds, the data loads and fits it,
     the folders it writes are writable (ConfigError with the fix)."""
     from swarm.training.preflight import check_run
 
+    if opts.netns:
+        from swarm.netlab import NetLabError, check_available, get_profile
+
+        try:
+            check_available()
+            get_profile(opts.netns)
+        except (NetLabError, ValueError) as e:
+            raise ConfigError(f"--netns {opts.netns}: {e}") from None
     if checkpoint_dir:
         check_writable_dir(checkpoint_dir, "--checkpoint-dir")
     if opts.log_dir:
