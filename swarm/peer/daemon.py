@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import signal
+import time
 
 import torch
 
@@ -64,6 +65,7 @@ class Peer:
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
+        t0 = time.monotonic()
         cfg = self.cfg
         loop = asyncio.get_running_loop()
         if cfg.threads:
@@ -104,7 +106,11 @@ class Peer:
             costs = stage_costs(run.model, run.num_stages)
             placement = PlacementLoop(m, run.num_stages, costs, cfg.rebalance_period_s, cfg.rebalance_threshold)
             self._tasks.append(asyncio.create_task(placement.run()))
-        self.events.add("join", stage=m.stage, step=m.step, throughput=round(self.serving.throughput, 2))
+        seconds = time.monotonic() - t0
+        logger.info("joined stage %d in %.2f s", m.stage, seconds)
+        self.events.add(
+            "join", stage=m.stage, step=m.step, throughput=round(self.serving.throughput, 2), seconds=round(seconds, 2)
+        )
         self._print_ready()
 
     def _print_ready(self) -> None:

@@ -45,15 +45,16 @@ def test_three_stages_by_two_peers_train_over_the_internet_profile(make_swarm):
 
 
 def test_a_ten_times_slower_link_gets_at_most_a_third_of_its_stage(make_swarm, tmp_path):
-    """Stage 1's second peer has a 10 Mbit/s link, its mate 100 Mbit/s (the same delays): activations of
-    256 KiB a microbatch take 10x longer to reach it, and the trainer's wiring sends it less."""
+    """Stage 1's second peer has a 10 Mbit/s link, its mate 100 Mbit/s (the same delays): a microbatch's
+    activations (512 KiB, uncompressed) and their gradient take 10x longer to cross it, and the trainer's
+    wiring sends it less."""
     profile = tmp_path / "one-slow.yaml"
     profile.write_text("extends: internet\nhosts:\n  peer3-s1: {rate_mbit: 10}\n")
     model = {"kind": "gpt", "vocab_size": 256, "seq_len": 128, "d_model": 128, "n_layers": 2, "n_heads": 4,
              "d_ff": 256}  # fmt: skip
     swarm = make_swarm(
         netns=str(profile), stages=2, peers_per_stage=2, trainers=1,
-        run_args=run_args(model, global_batch=32, microbatch=8), peer_args=["--no-rebalance"],
+        run_args=run_args(model, global_batch=32, microbatch=8, codec="none"), peer_args=["--no-rebalance"],
     )  # fmt: skip
     swarm.start()
     start_training(swarm, 10)
