@@ -76,7 +76,8 @@ def mixed(steps: int) -> dict:
     """3 stages x 3 peers, one peer in three on a slow link: without rebalancing (who gets the microbatches),
     then from a 5,2,2 layout with rebalancing (which layout it reaches)."""
     out = {}
-    with tempfile.TemporaryDirectory() as tmp, make(tmp, "mixed", [3, 3, 3], steps, run_args(), ["--no-rebalance"]) as s:
+    still = ["--no-rebalance"]
+    with tempfile.TemporaryDirectory() as tmp, make(tmp, "mixed", [3, 3, 3], steps, run_args(), still) as s:
         summary = train(s)
         s.stop()
         out["wiring"] = {"samples_per_s": round(summary["samples_per_s"], 2), "peers": peer_rows(s)}

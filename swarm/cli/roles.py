@@ -9,7 +9,7 @@ import os
 import uuid
 
 from swarm.cli.common import add_join_args, initial_peers, install_uvloop
-from swarm.cli.run_options import add_run_options, build_run_config
+from swarm.cli.run_options import add_model_path_arg, add_run_options, apply_model_path, build_run_config
 from swarm.core.debug import add_debug_args, fault_plan_from_args
 from swarm.core.errors import ConfigError
 from swarm.core.log import setup_logging
@@ -58,6 +58,7 @@ def add_peer_parser(sub) -> None:
 
     p = sub.add_parser("peer", help="the run-peer daemon: serves one pipeline stage")
     add_join_args(p)
+    add_model_path_arg(p)
     add_settings(p, PeerConfig, skip=("run_id",))
     add_settings(p, AveragingConfig)
     add_debug_args(p)
@@ -71,6 +72,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
     from swarm.training.averaging import AveragingConfig
 
     setup_logging("peer", args.log_level)
+    apply_model_path(args)
     try:
         averaging = from_args(AveragingConfig, args)
         cfg = from_args(PeerConfig, args, initial_peers=initial_peers(args), averaging=averaging)
@@ -91,6 +93,7 @@ def add_trainer_parser(sub) -> None:
 
     p = sub.add_parser("trainer", help="streams microbatches from its data shard through the stages")
     add_join_args(p)
+    add_model_path_arg(p)
     add_settings(p, TrainerConfig, skip=("run_id",))
     p.set_defaults(func=cmd_trainer)
 
@@ -100,6 +103,7 @@ def cmd_trainer(args: argparse.Namespace) -> int:
     from swarm.trainer.loop import run_trainer
 
     setup_logging("trainer", args.log_level)
+    apply_model_path(args)
     cfg = from_args(TrainerConfig, args, initial_peers=initial_peers(args))
     if cfg.sample_log:
         check_writable_dir(os.path.dirname(os.path.abspath(cfg.sample_log)), "--sample-log's folder")

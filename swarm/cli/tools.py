@@ -6,12 +6,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import sys
 import uuid
 
 from swarm.cli.common import add_join_args, initial_peers
-from swarm.cli.run_options import add_run_options, build_run_config
+from swarm.cli.run_options import add_run_options, apply_model_path, build_run_config
 from swarm.core.errors import ConfigError
 from swarm.core.log import setup_logging
 from swarm.core.preflight import check_writable_dir
@@ -52,6 +53,7 @@ def cmd_local(args: argparse.Namespace) -> int:
         run_args=["--config-json", run.to_json()],
         peer_args=checkpoint_args + args.peer_arg,
         trainer_args=list(args.trainer_arg),
+        env=model_path_env(args),
     )
     opts.layout()
     check_local(opts, run, args.checkpoint_dir)  # before any process starts
@@ -62,6 +64,14 @@ def cmd_local(args: argparse.Namespace) -> int:
         print("\ninterrupted: every process of the local swarm was stopped", file=sys.stderr)
         return 130
     return 0
+
+
+def model_path_env(args: argparse.Namespace) -> dict[str, str]:
+    """PYTHONPATH for the processes of a local swarm: --custom-model-path folders first."""
+    paths = apply_model_path(args)
+    if not paths:
+        return {}
+    return {"PYTHONPATH": os.pathsep.join([*paths, *filter(None, [os.environ.get("PYTHONPATH")])])}
 
 
 def _interrupt(signum, frame) -> None:

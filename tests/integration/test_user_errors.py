@@ -123,7 +123,8 @@ def test_port_in_use_and_unwritable_checkpoint_dir(coordinator, tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_cuda_without_cuda():
-    rc, err, _ = swarm_cmd("peer", "--run-id", "r", "--initial-peers", GONE.format(port=free_port()), "--device", "cuda")
+    gone = GONE.format(port=free_port())
+    rc, err, _ = swarm_cmd("peer", "--run-id", "r", "--initial-peers", gone, "--device", "cuda")
     assert_one_line_error(rc, err, "CUDA is not available", "--device cpu")
 
 
