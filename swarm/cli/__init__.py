@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from swarm.cli.compose import add_compose_parser
 from swarm.cli.roles import add_coordinator_parser, add_peer_parser, add_trainer_parser
 from swarm.cli.tools import (
     add_chaos_parser,
@@ -41,6 +42,7 @@ def make_parser() -> argparse.ArgumentParser:
     add_ledger_parser(sub)
     add_chaos_parser(sub)
     add_export_parser(sub)
+    add_compose_parser(sub)
     from swarm.sim.cli import add_sim_parser  # the simulator imports no torch or hivemind at all
 
     add_sim_parser(sub)

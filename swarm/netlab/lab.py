@@ -70,6 +70,7 @@ class NetLab:
         self.hosts: list[Host] = []
         self.backend = backend
         self._role_counts: dict[str, int] = {}
+        self._aliases: dict[str, list[str]] = {}
         self._forwarder: subprocess.Popen | None = None
         self._netem = False
         self._started = False
@@ -232,12 +233,18 @@ class NetLab:
         each other by name, and the machine's hostname resolves to the host's own address (`hostname -i` gives
         the lab IP, as in a container). Rewritten in place, so processes started earlier see later hosts too."""
         common = ["127.0.0.1 localhost", "::1 localhost ip6-localhost ip6-loopback"]
-        common += [f"{h.ip} {h.name}" for h in self.hosts]
+        common += [" ".join([h.ip, h.name, *self._aliases.get(h.name, [])]) for h in self.hosts]
         machine = socket.gethostname()
         for h in self.hosts:
             os.makedirs(os.path.join(naming.ETC_NETNS, h.netns), exist_ok=True)
             with open(os.path.join(naming.ETC_NETNS, h.netns, "hosts"), "w") as f:
                 f.write("\n".join([f"{h.ip} {machine}", *common]) + "\n")
+
+    def set_aliases(self, name: str, aliases: list[str]) -> None:
+        """More names for host `name` in every host's /etc/hosts (a container's service name, say)."""
+        self.host(name)
+        self._aliases[name] = list(aliases)
+        self._write_hosts_files()
 
     def host(self, name: str) -> Host:
         for h in self.hosts:

@@ -5,6 +5,7 @@ import re
 import shlex
 from pathlib import Path
 
+import pytest
 import yaml
 
 from swarm.cli import make_parser
@@ -53,8 +54,47 @@ def test_systemd_unit_command_parses_with_the_example_settings():
 def test_dockerfile_installs_torch_first_and_the_project():
     text = (ROOT / "docker" / "Dockerfile").read_text()
     torch_at = text.index('"torch==${TORCH_VERSION}"')
-    project_at = text.index("pip install .")
+    project_at = text.index('pip install ".[')
     assert torch_at < project_at, "torch's CPU wheel must be installed before the project"
     for path in ("pyproject.toml", "setup.py", "proto", "swarm"):
         assert path in text
     assert 'ENTRYPOINT ["swarm"]' in text
+
+
+# The Compose Specification's JSON schema, shipped with the repo (tests/data/README.md says where it is from).
+COMPOSE_SCHEMA = ROOT / "tests" / "data" / "compose-spec.json"
+
+
+def test_compose_file_follows_the_compose_specification():
+    import json
+
+    import jsonschema
+
+    schema = json.loads(COMPOSE_SCHEMA.read_text())
+    compose = yaml.safe_load((ROOT / "docker" / "compose.yaml").read_text())
+    jsonschema.validate(compose, schema)  # raises with the path of the first violation
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({**compose, "services": {"peer": {"comand": ["swarm", "peer"]}}}, schema)
+
+
+def _bootstrap_installs() -> tuple[str, str]:
+    """(torch version, project extras) that scripts/bootstrap.sh installs, in that order."""
+    text = (ROOT / "scripts" / "bootstrap.sh").read_text()
+    torch_at, torch_version = text.index('"torch=='), re.search(r'"torch==([\d.]+)"', text).group(1)
+    project = re.search(r'-e "\.\[([\w,]+)\]"', text)
+    assert torch_at < project.start(), "bootstrap.sh installs torch before the project"
+    return torch_version, project.group(1)
+
+
+def test_dockerfile_installs_what_bootstrap_installs():
+    """The image holds what README.md installs: torch 2.13.0's CPU build first, then the project, same extras."""
+    text = (ROOT / "docker" / "Dockerfile").read_text()
+    args = dict(re.findall(r"^ARG (\w+)=(\S+)$", text, re.MULTILINE))
+    torch_version, extras = _bootstrap_installs()
+    assert args["TORCH_VERSION"] == torch_version == "2.13.0"
+    assert args["TORCH_INDEX"].endswith("/cpu")
+    assert args["EXTRAS"] == extras
+    runs = [line for line in text.splitlines() if line.startswith("RUN ")]
+    assert "torch==${TORCH_VERSION}" in runs[0] and "${TORCH_INDEX}" in runs[0]
+    assert 'pip install ".[${EXTRAS}]"' in runs[1] and "swarm.wire.codegen" in runs[1]
+    assert "swarm.wire.codegen" in (ROOT / "scripts" / "bootstrap.sh").read_text()
