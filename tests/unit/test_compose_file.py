@@ -44,7 +44,7 @@ def test_repo_compose_file():
     assert peer.mounts == [("swarm-shared", "/shared")]  # from the x-swarm anchor, merged in
     assert peer.environment == {"OMP_NUM_THREADS": "1", "RUN_ID": "compose"}
     assert coordinator.argv[:2] == ["/bin/sh", "-c"] and coordinator.argv[2].startswith("exec swarm coordinator")
-    assert '--run-id "$RUN_ID"' in peer.argv[2] and '"$(hostname -i | cut -d\' \' -f1)"' in peer.argv[2]
+    assert '--run-id "$RUN_ID"' in peer.argv[2] and "\"$(hostname -i | cut -d' ' -f1)\"" in peer.argv[2]
     assert "--steps 5 " in trainer.argv[2]
     _, _, defaults = load_compose(str(ROOT / "docker" / "compose.yaml"), {})
     assert "--steps 200 " in defaults[2].argv[2]
