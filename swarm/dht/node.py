@@ -21,6 +21,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from swarm.core.errors import ConfigError
 from swarm.core.procs import die_with_parent
 from swarm.core.settings import DHT_TIMEOUT_S
+from swarm.dht import reachability
 from swarm.dht.records import MAX_STAGES, EventRecord, PeerEntry, PeerRecord, SwarmSchema
 
 logger = logging.getLogger(__name__)
@@ -108,6 +109,8 @@ class SwarmDHT:
                 f"the DHT node did not start or could not join through {first} ({why}): check that --initial-peers "
                 "are the multiaddrs the coordinator printed (peer id included) and that it is still running"
             ) from None
+        if not client_mode:
+            self.dht.run_coroutine(reachability.register)  # answer other nodes' dial-back requests
 
     # ---- deadline-bound primitives: every DHT wait ends ----
 
@@ -132,6 +135,10 @@ class SwarmDHT:
 
     def visible_maddrs(self) -> list[str]:
         return [str(m) for m in self.dht.get_visible_maddrs()]
+
+    def dialback(self, peer_id: str, targets: list[str], timeout_s: float = 10.0) -> dict:
+        """Ask DHT node `peer_id` to connect to `targets` ("host:port"); see swarm.dht.reachability."""
+        return reachability.ask_dialback(self.dht, peer_id, targets, timeout_s)
 
     @property
     def peer_id(self) -> str:

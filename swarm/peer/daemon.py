@@ -31,7 +31,7 @@ from swarm.peer.config import PeerConfig
 from swarm.peer.membership import Membership
 from swarm.peer.partials import MatePartials
 from swarm.peer.placement import PlacementLoop
-from swarm.peer.preflight import resolve_device
+from swarm.peer.preflight import announced_targets, reachability_problems, resolve_device
 from swarm.peer.records import EventLog, PeerRecords
 from swarm.peer.server import StageService, start_server
 from swarm.peer.serving import Limits, ServingState
@@ -112,6 +112,7 @@ class Peer:
             "join", stage=m.stage, step=m.step, throughput=round(self.serving.throughput, 2), seconds=round(seconds, 2)
         )
         self._print_ready()
+        self._tasks.append(asyncio.create_task(self._check_reachable(port)))
 
     def _print_ready(self) -> None:
         m = self.membership
@@ -130,6 +131,14 @@ class Peer:
             "serving stage %d from step %d at %s (%.1f samples/s)",
             m.stage, m.step, self.records.address, self.serving.throughput,
         )  # fmt: skip
+
+    async def _check_reachable(self, grpc_port: int) -> None:
+        """Tell the operator at start when others cannot connect to this peer (behind NAT, closed ports)."""
+        targets = announced_targets(self.cfg, grpc_port, self.dht.visible_maddrs())
+        loop = asyncio.get_running_loop()
+        for line in await loop.run_in_executor(None, reachability_problems, self.dht, self.cfg, targets):
+            logger.warning("%s", line)
+            self.events.add("unreachable", detail=line[:200])
 
     async def _step_loop(self) -> None:
         """Apply the stage's pending update when it is due (swarm.peer.stepping decides)."""

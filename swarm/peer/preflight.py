@@ -45,10 +45,19 @@ def check_identity_path(path: str) -> None:
     check_writable_dir(os.path.dirname(os.path.abspath(path)), "--identity-path's folder")
 
 
+def check_announce(cfg: PeerConfig) -> None:
+    if cfg.host in ("0.0.0.0", "::") and not cfg.announce_host:
+        raise ConfigError(
+            f"--host {cfg.host} listens on every interface, but others need one address to reach this peer at: "
+            "add --announce-host IP (this machine's public IP, or its LAN IP in a private swarm)"
+        )
+
+
 def check_settings(cfg: PeerConfig, reachable: bool = True) -> None:
     """Every check that needs no DHT: raises the first problem found."""
     resolve_device(cfg.device)
     targets = parse_maddrs(cfg.initial_peers)
+    check_announce(cfg)
     check_port_free(cfg.host, cfg.port, "--port")
     check_port_free(cfg.host, cfg.dht_port, "--dht-port")
     if cfg.checkpoint_dir:
@@ -59,3 +68,35 @@ def check_settings(cfg: PeerConfig, reachable: bool = True) -> None:
         check_identity_path(cfg.identity_path)
     if reachable:
         check_reachable(targets)
+
+
+def announced_targets(cfg: PeerConfig, grpc_port: int, dht_maddrs: list[str]) -> list[str]:
+    """The "host:port" addresses others must reach: the gRPC server and the DHT node, as announced."""
+    host = cfg.announce_host or cfg.host
+    targets = [f"{host}:{grpc_port}"]
+    for maddr in dht_maddrs:
+        parts = maddr.split("/")
+        if len(parts) > 4 and parts[1] in ("ip4", "ip6") and parts[3] == "tcp":
+            targets.append(f"{parts[2]}:{parts[4]}")
+            break
+    return targets
+
+
+def reachability_problems(dht, cfg: PeerConfig, targets: list[str]) -> list[str]:
+    """Ask the DHT nodes of --initial-peers, in turn, to dial `targets` back; one line per problem, each with
+    the fix. [] when all are reachable, or when no node answered (nothing known)."""
+    for target in parse_maddrs(cfg.initial_peers):
+        try:
+            answer = dht.dialback(target.peer_id, targets)
+        except Exception:  # noqa: BLE001 - an older node without the service, or gone: ask the next
+            continue
+        lines = []
+        for addr, why in answer.get("results", {}).items():
+            if why is not None:
+                lines.append(
+                    f"{addr} is not reachable from {target.host} ({why}): others cannot connect to this peer; "
+                    "open or forward its TCP ports (--port, --dht-port) to this machine and announce the address "
+                    "others reach it at with --announce-host (peers/README.md, 'Reachability')"
+                )
+        return lines
+    return []
