@@ -3,6 +3,8 @@ run parses with the real argument parser, and the Dockerfile installs what the p
 
 import re
 import shlex
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -37,18 +39,63 @@ def test_compose_commands_parse():
     assert compose["services"]["peer"]["deploy"]["replicas"] >= 2
 
 
+def _unit() -> dict[str, str]:
+    """The unit's `Key=value` lines (continuations joined)."""
+    text = (ROOT / "peers" / "swarm-peer.service").read_text().replace("\\\n", " ")
+    return dict(line.split("=", 1) for line in text.splitlines() if "=" in line and not line.startswith("#"))
+
+
+def _example_env() -> dict[str, str]:
+    lines = (ROOT / "peers" / "peer.env.example").read_text().splitlines()
+    return dict(line.split("=", 1) for line in lines if line and not line.startswith("#"))
+
+
+def systemd_expand(command: str, env: dict[str, str]) -> list[str]:
+    """ExecStart's words as systemd makes them: a word that is `$VAR` becomes the value split at whitespace
+    (zero or more arguments); `${VAR}` becomes exactly one argument, whitespace and all."""
+    argv = []
+    for word in command.split():
+        if re.fullmatch(r"\$\w+", word):
+            argv += env.get(word[1:], "").split()
+        else:
+            argv.append(re.sub(r"\$\{(\w+)\}", lambda m: env.get(m.group(1), ""), word))
+    return argv
+
+
 def test_systemd_unit_command_parses_with_the_example_settings():
-    unit = (ROOT / "peers" / "swarm-peer.service").read_text().replace("\\\n", " ")
-    exec_start = next(line for line in unit.splitlines() if line.startswith("ExecStart="))[len("ExecStart=") :]
-    env = dict(
-        line.split("=", 1)
-        for line in (ROOT / "peers" / "peer.env.example").read_text().splitlines()
-        if line and not line.startswith("#")
-    )
-    command = re.sub(r"\$\{(\w+)\}", lambda m: env[m.group(1)], exec_start)
-    argv = swarm_argv(command.replace("/opt/swarm/.venv/bin/swarm", "swarm"))
-    args = make_parser().parse_args(argv)
-    assert args.command == "peer" and args.checkpoint_dir
+    unit, env = _unit(), _example_env()
+    argv = systemd_expand(unit["ExecStart"], env)
+    assert argv[0] == "/opt/swarm/.venv/bin/swarm"
+    args = make_parser().parse_args(argv[1:])
+    assert args.command == "peer" and args.checkpoint_dir and args.identity_path
+    assert args.initial_peers == env["SWARM_INITIAL_PEERS"].split() and len(args.initial_peers) == 2
+
+
+def test_systemd_unit_lets_the_peer_drain_then_kills_the_rest():
+    unit = _unit()
+    assert unit["KillMode"] == "mixed"  # SIGTERM to the peer only; SIGKILL to what is left after the timeout
+    assert unit["KillSignal"] == "SIGTERM" and int(unit["TimeoutStopSec"]) >= 30
+    assert unit["Restart"] == "on-failure" and unit["EnvironmentFile"] == "/etc/swarm/peer.env"
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+def test_systemd_analyze_verify(tmp_path):
+    """`systemd-analyze verify` finds nothing wrong (paths that exist only on a peer box replaced)."""
+    text = (ROOT / "peers" / "swarm-peer.service").read_text()
+    (tmp_path / "peer.env").write_text((ROOT / "peers" / "peer.env.example").read_text())
+    replacements = {
+        "/opt/swarm/.venv/bin/swarm": "/bin/true",
+        "/etc/swarm/peer.env": str(tmp_path / "peer.env"),
+        "WorkingDirectory=/opt/swarm": f"WorkingDirectory={tmp_path}",
+        "User=swarm": "User=root",
+    }
+    for old, new in replacements.items():
+        assert old in text
+        text = text.replace(old, new)
+    unit = tmp_path / "swarm-peer.service"
+    unit.write_text(text)
+    proc = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and not proc.stderr.strip(), proc.stderr
 
 
 def test_dockerfile_installs_torch_first_and_the_project():
