@@ -60,6 +60,7 @@ def add_peer_parser(sub) -> None:
     add_join_args(p)
     add_model_path_arg(p)
     add_settings(p, PeerConfig, skip=("run_id",))
+    p.add_argument("--public-ip", dest="announce_host", metavar="IP", help="the same as --announce-host")
     add_settings(p, AveragingConfig)
     add_debug_args(p)
     p.set_defaults(func=cmd_peer)

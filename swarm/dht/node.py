@@ -108,6 +108,7 @@ class SwarmDHT:
             raise ConfigError(
                 f"the DHT node did not start or could not join through {first} ({why}): check that --initial-peers "
                 "are the multiaddrs the coordinator printed (peer id included) and that it is still running"
+                + ("; and that no other process uses this --identity-path" if identity_path else "")
             ) from None
         if not client_mode:
             self.dht.run_coroutine(reachability.register)  # answer other nodes' dial-back requests
