@@ -7,6 +7,7 @@ import json
 import sys
 
 from swarm.cluster.view import SwarmView, fallback_totals
+from swarm.core.errors import ConfigError
 from swarm.core.states import PeerState
 from swarm.dht.node import SwarmDHT
 from swarm.training.config import RunConfig
@@ -22,7 +23,9 @@ async def collect_status(run_id: str, initial_peers: list[str], max_events: int 
         loop = asyncio.get_running_loop()
         text = await loop.run_in_executor(None, dht.get_config_json)
         if text is None:
-            raise SystemExit(f"swarm status: no run config for run {run_id!r} on the DHT (wrong --run-id?)")
+            runs = await loop.run_in_executor(None, dht.get_runs)
+            held = f" (this DHT has run(s) {', '.join(sorted(runs))})" if runs else ""
+            raise ConfigError(f"no run config for run {run_id!r} on the DHT{held}: check --run-id")
         run = RunConfig.from_json(text)
         view = SwarmView(dht, run.num_stages, clients, info_timeout_s=3.0)
         await view.refresh_dht()

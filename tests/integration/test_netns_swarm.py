@@ -66,3 +66,29 @@ def test_a_ten_times_slower_link_gets_at_most_a_third_of_its_stage(make_swarm, t
     stage1 = samples["peer2-s1"] + samples["peer3-s1"]
     assert stage1 > 0
     assert samples["peer3-s1"] <= stage1 / 3, samples
+
+
+def test_lab_of_a_killed_local_swarm_is_removed_at_the_next_start(tmp_path):
+    """`swarm local --netns` SIGKILLed: its lab stays (nobody could clean up) until the next start, which
+    removes labs whose owner is gone."""
+    import os
+    import signal
+    import sys
+
+    from swarm.netlab.hosts import LabHosts
+
+    argv = [sys.executable, "-m", "swarm.cli", "local", "--netns", "lan", "--run-id", f"killed-{os.getpid()}",
+            "--log-dir", str(tmp_path / "logs"), *run_args()]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        assert any(line.startswith("coordinator: /ip4/100.6") for line in proc.stdout)  # lab up, coordinator ready
+        key = naming.lab_key(f"killed-{os.getpid()}")
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        assert naming.lab_prefix(key) in netns_names()  # left behind...
+        LabHosts(f"next-{os.getpid()}", "lan").close()  # ...until the next start
+        assert naming.lab_prefix(key) not in netns_names()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
