@@ -118,10 +118,12 @@ def test_compose_file_follows_the_compose_specification():
     import jsonschema
 
     schema = json.loads(COMPOSE_SCHEMA.read_text())
+    assert schema["$schema"].startswith("https://json-schema.org/draft-07/")
+    validator = jsonschema.Draft7Validator(schema)
     compose = yaml.safe_load((ROOT / "docker" / "compose.yaml").read_text())
-    jsonschema.validate(compose, schema)  # raises with the path of the first violation
+    validator.validate(compose)  # raises with the path of the first violation
     with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate({**compose, "services": {"peer": {"comand": ["swarm", "peer"]}}}, schema)
+        validator.validate({**compose, "services": {"peer": {"comand": ["swarm", "peer"]}}})
 
 
 def _bootstrap_installs() -> tuple[str, str]:
