@@ -1,9 +1,11 @@
 """Figures of a swarm over shaped networks (`swarm local --netns`), for docs/NETWORKS.md. Root only.
 
     python scripts/bench_netns.py codecs  --steps 20            # samples/s per codec under "internet"
+    python scripts/bench_netns.py codecs  --link-mbit 10        # the same with every link at 10 Mbit/s
     python scripts/bench_netns.py mixed   --steps 30            # who gets the microbatches under "mixed"
     python scripts/bench_netns.py moves                         # join and move times under "internet"
     python scripts/bench_netns.py all --plot docs/networks.png  # all three, and the plot
+    python scripts/bench_netns.py plot --results R.json --plot docs/networks.png   # the plot of saved results
 
 Each part prints one JSON object per line; `all` ends with one object holding every part.
 """
@@ -46,12 +48,18 @@ def train(swarm: LocalSwarm, timeout: float = 1800) -> dict:
     return summary
 
 
-def codecs(steps: int) -> list[dict]:
+def codecs(steps: int, link_mbit: float | None = None) -> list[dict]:
+    """3 stages x 2 peers under "internet" (link_mbit: every link at that rate instead of 100 Mbit/s)."""
     rows = []
     for codec in ("none", "fp16", "int8"):
-        with tempfile.TemporaryDirectory() as tmp, make(tmp, "internet", [2, 2, 2], steps, run_args(codec), []) as s:
-            summary = train(s)
-        row = {"codec": codec, "samples_per_s": round(summary["samples_per_s"], 2),
+        with tempfile.TemporaryDirectory() as tmp:
+            profile = "internet"
+            if link_mbit:
+                profile = str(Path(tmp) / "profile.yaml")
+                Path(profile).write_text(f"extends: internet\ndefault: {{rate_mbit: {link_mbit}}}\n")
+            with make(tmp, profile, [2, 2, 2], steps, run_args(codec), []) as s:
+                summary = train(s)
+        row = {"codec": codec, "link_mbit": link_mbit or 100, "samples_per_s": round(summary["samples_per_s"], 2),
                "loss_last": round(summary["loss_last"], 3), "steps": summary["steps"]}  # fmt: skip
         print(json.dumps({"part": "codecs", **row}), flush=True)
         rows.append(row)
@@ -133,37 +141,51 @@ def moves(steps: int) -> dict:
 
 
 def plot(result: dict, path: str) -> None:
+    """Left: samples/s per codec (one group per link rate). Right: each peer's share of its stage's microbatches
+    under "mixed" (red: the slow links), against an equal share."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    rows = result["codecs"]
-    axes[0].bar([r["codec"] for r in rows], [r["samples_per_s"] for r in rows], color="#4878a8")
-    axes[0].set_title('samples/s per codec, "internet" profile')
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw={"width_ratios": [1, 2]})
+    rows = result["codecs"] + result.get("codecs_slow", [])
+    rates = sorted({r["link_mbit"] for r in rows}, reverse=True)
+    for i, codec in enumerate(("none", "fp16", "int8")):
+        values = [next((r["samples_per_s"] for r in rows if r["codec"] == codec and r["link_mbit"] == m), 0)
+                  for m in rates]  # fmt: skip
+        axes[0].bar([j + 0.27 * (i - 1) for j in range(len(rates))], values, width=0.27, label=codec)
+    axes[0].set_xticks(range(len(rates)), [f"{m:g} Mbit/s links" for m in rates])
     axes[0].set_ylabel("samples/s")
+    axes[0].set_title('codecs, "internet" delays')
+    axes[0].legend()
     peers = sorted(result["mixed"]["wiring"]["peers"], key=lambda r: (r["stage"], r["peer"]))
     colors = ["#c44e52" if r["rate_mbit"] == 20 else "#55a868" for r in peers]
-    axes[1].bar([f"{r['peer']}\n{r['rate_mbit']:g} Mbit" for r in peers], [r["share_of_stage"] for r in peers],
-                color=colors)  # fmt: skip
-    for r_i, r in enumerate(peers):
-        axes[1].plot([r_i - 0.4, r_i + 0.4], [r["fair_share"]] * 2, color="black", linewidth=1)
-    axes[1].set_title('share of its stage\'s microbatches, "mixed" (line: equal share)')
-    axes[1].tick_params(axis="x", labelsize=7)
+    labels = [f"{r['peer']}\n{r['rate_mbit']:g} Mbit\n{r['delay_ms']:.0f} ms" for r in peers]
+    axes[1].bar(range(len(peers)), [r["share_of_stage"] for r in peers], color=colors)
+    for i, r in enumerate(peers):
+        axes[1].plot([i - 0.4, i + 0.4], [r["fair_share"]] * 2, color="black", linewidth=1)
+    axes[1].set_xticks(range(len(peers)), labels, fontsize=7)
+    axes[1].set_ylabel("share of its stage's samples")
+    axes[1].set_title('"mixed": who gets the microbatches (red: slow link; line: equal share)')
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("part", choices=["codecs", "mixed", "moves", "all"])
+    p.add_argument("part", choices=["codecs", "mixed", "moves", "all", "plot"])
+    p.add_argument("--results", help="plot: a JSON file with the parts' results (codecs, codecs_slow, mixed)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--plot", help="write the plot (all) to this PNG")
+    p.add_argument("--link-mbit", type=float, help="codecs: every link at this rate (default: the profile's 100)")
     args = p.parse_args()
     result = {}
+    if args.part == "plot":
+        plot(json.loads(Path(args.results).read_text()), args.plot)
+        return
     if args.part in ("codecs", "all"):
-        result["codecs"] = codecs(args.steps)
+        result["codecs"] = codecs(args.steps, args.link_mbit)
     if args.part in ("mixed", "all"):
         result["mixed"] = mixed(args.steps)
     if args.part in ("moves", "all"):
