@@ -49,7 +49,8 @@ def train(swarm: LocalSwarm, timeout: float = 1800) -> dict:
 
 
 def codecs(steps: int, link_mbit: float | None = None) -> list[dict]:
-    """3 stages x 2 peers under "internet" (link_mbit: every link at that rate instead of 100 Mbit/s)."""
+    """3 stages x 2 peers under "internet" (link_mbit: every link at that rate instead of 100 Mbit/s), the layout
+    held (no rebalancing: moves would change what is compared)."""
     rows = []
     for codec in ("none", "fp16", "int8"):
         with tempfile.TemporaryDirectory() as tmp:
@@ -57,7 +58,7 @@ def codecs(steps: int, link_mbit: float | None = None) -> list[dict]:
             if link_mbit:
                 profile = str(Path(tmp) / "profile.yaml")
                 Path(profile).write_text(f"extends: internet\ndefault: {{rate_mbit: {link_mbit}}}\n")
-            with make(tmp, profile, [2, 2, 2], steps, run_args(codec), []) as s:
+            with make(tmp, profile, [2, 2, 2], steps, run_args(codec), ["--no-rebalance"]) as s:
                 summary = train(s)
         row = {"codec": codec, "link_mbit": link_mbit or 100, "samples_per_s": round(summary["samples_per_s"], 2),
                "loss_last": round(summary["loss_last"], 3), "steps": summary["steps"]}  # fmt: skip

@@ -43,6 +43,9 @@ def cmd_compose_up(args: argparse.Namespace) -> int:
         result = compose_up(args.file, args.exit_code_from, args.workdir, args.netns, env, args.timeout)
     except NetLabError as e:
         raise ConfigError(str(e)) from None
+    except TimeoutError as e:  # everything was stopped and removed on the way out
+        print(f"swarm compose-up: {e} (--timeout {args.timeout:.0f}); every container was stopped", file=sys.stderr)
+        return 1
     summaries = {n: p.summary for n, p in result.containers.items() if p.summary is not None}
     print(json.dumps({"exit_code": result.exit_code, "exited": result.exited, "summaries": summaries}))
     if result.exit_code:
