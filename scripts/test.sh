@@ -15,7 +15,7 @@ if [ ! -x /usr/bin/chromium ]; then
     exit 1
   fi
 fi
-.venv/bin/ruff check swarm tests scripts
-.venv/bin/ruff format --check swarm tests scripts
+.venv/bin/ruff check swarm tests scripts examples
+.venv/bin/ruff format --check swarm tests scripts examples
 .venv/bin/lint-imports
 exec .venv/bin/python -m pytest "$@"

@@ -3,6 +3,10 @@
 Starts a coordinator, then the peers (S x P, or a per-stage layout), then the trainers; shows
 progress; prints an aggregate summary; stops everything it started (process groups, so hivemind's
 p2pd daemons too) at the end, on Ctrl-C, or on error.
+
+With `netns` (a network profile), every process runs on its own host of a network lab
+(swarm.netlab.hosts: a namespace with its own address and a shaped link), listens on that address,
+and joins through the coordinator's lab address; the lab goes with the swarm.
 """
 
 from __future__ import annotations
@@ -18,9 +22,12 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from swarm.core.errors import ConfigError
 from swarm.core.procs import ManagedProcess
 from swarm.core.settings import setting
 from swarm.dashboard.live import DashboardConfig, LiveDashboard
+from swarm.netlab.hosts import LabHosts
+from swarm.netlab.system import NetLabError
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +50,13 @@ class LocalOptions:
     steps: int = setting(60, "optimizer steps to train")
     run_id: str | None = setting(None, "run id (default: random)")
     host: str = setting("127.0.0.1", "interface every process listens on", cli=False)
+    netns: str | None = setting(
+        None,
+        "run every process in its own network namespace, linked as this profile says: lan, internet, mixed or a "
+        "profile file (root only; docs/NETWORKS.md)",
+        metavar="PROFILE",
+    )
+    netns_seed: int = setting(0, "seed of the network profile's draws (delays, slow hosts)")
     log_dir: str | None = setting(None, "per-process logs (default runs/RUN_ID)")
     # torch threads per process: many processes share this machine's cores
     threads: int = setting(1, "torch threads per process")
@@ -60,11 +74,12 @@ class LocalOptions:
     def layout(self) -> list[int]:
         layout = self.stage_layout or [self.peers_per_stage] * self.stages
         if len(layout) != self.stages:
-            raise ValueError(
-                f"--stage-layout {','.join(map(str, layout))} has {len(layout)} entries for {self.stages} stages"
+            raise ConfigError(
+                f"--stage-layout {','.join(map(str, layout))} has {len(layout)} entries for {self.stages} stages: "
+                "give one count per stage (or leave --stages out)"
             )
         if min(layout) < 1:
-            raise ValueError("every stage needs at least one peer in --stage-layout")
+            raise ConfigError("every stage needs at least one peer: no 0 in --stage-layout or --peers-per-stage")
         return layout
 
 
@@ -125,6 +140,12 @@ class LocalSwarm:
         self._counter = 0
         self._trainer_on_line = None
         self.dashboard: LiveDashboard | None = None
+        self.lab: LabHosts | None = None
+        if opts.netns:
+            try:
+                self.lab = LabHosts(self.run_id, opts.netns, opts.netns_seed)
+            except NetLabError as e:
+                raise ConfigError(f"--netns {opts.netns}: {e}") from None
 
     # ---- process construction ----
 
@@ -135,7 +156,13 @@ class LocalSwarm:
         threads = str(self.opts.threads)
         return {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, **self.opts.env}
 
-    def _spawn(self, name: str, argv: list[str], on_line=None) -> ManagedProcess:
+    def _ip(self, slot: str, role: str) -> str:
+        """The address the process of this slot listens on: its lab host's, or opts.host."""
+        return self.opts.host if self.lab is None else self.lab.host(slot, role).ip
+
+    def _spawn(self, name: str, argv: list[str], on_line=None, slot: str | None = None) -> ManagedProcess:
+        if self.lab is not None:
+            argv = self.lab.host(slot or name, "peer").wrap(argv)
         proc = ManagedProcess(name, argv, self.log_dir / f"{name}.log", env=self._env(), on_line=on_line)
         logger.debug("started %s (pid %d): %s", name, proc.pid, " ".join(argv))
         return proc
@@ -151,14 +178,15 @@ class LocalSwarm:
         """Start the coordinator (again: `join` are the multiaddrs of a running swarm)."""
         if not self.coordinator_argv:
             self.coordinator_argv = self._cmd(
-                "coordinator", "--run-id", self.run_id, "--stages", str(self.opts.stages), "--host", self.opts.host,
+                "coordinator", "--run-id", self.run_id, "--stages", str(self.opts.stages),
+                "--host", self._ip("coordinator", "coordinator"),
                 "--num-trainers", str(self.opts.trainers), "--run-key-path", str(self.log_dir / "run.key"),
                 *(["--private", "--invite-file", self.invite] if self.invite else []), *self.opts.run_args,
             )  # fmt: skip
         argv = self.coordinator_argv + (["--initial-peers", *join] if join else [])
         if self.coordinator is not None:
             self.retired.append(self.coordinator)
-        self.coordinator = self._spawn(f"coordinator{len(self.retired) or ''}", argv)
+        self.coordinator = self._spawn(f"coordinator{len(self.retired) or ''}", argv, slot="coordinator")
         ready = self.coordinator.wait_ready(self.opts.startup_timeout_s)
         self.initial_peers = ready["initial_peers"]
         self.run_key = ready["run_key"]
@@ -169,18 +197,18 @@ class LocalSwarm:
         invite = ["--invite", self.invite] if self.invite else []
         return ["--run-id", self.run_id, "--run-key", self.run_key, *invite, "--initial-peers", *self.join_addresses()]
 
-    def peer_argv(self, stage: int | str, extra: list[str] | None = None) -> list[str]:
+    def peer_argv(self, stage: int | str, extra: list[str] | None = None, host: str | None = None) -> list[str]:
         return self._cmd(
-            "peer", *self.join_args(),
-            "--stage", str(stage),
-            "--host", self.opts.host, "--threads", str(self.opts.threads), *self.opts.peer_args, *(extra or []),
+            "peer", *self.join_args(), "--stage", str(stage),
+            "--host", host or self.opts.host, "--threads", str(self.opts.threads), *self.opts.peer_args,
+            *(extra or []),
         )  # fmt: skip
 
     def start_peer(self, stage: int | str, extra: list[str] | None = None, wait: bool = True) -> ManagedProcess:
         with self._lock:
             name = f"peer{self._counter}-s{stage}"
             self._counter += 1
-        proc = self._spawn(name, self.peer_argv(stage, extra))
+        proc = self._spawn(name, self.peer_argv(stage, extra, self._ip(name, "peer")))
         self.peers.append(proc)
         if wait:
             proc.wait_ready(self.opts.startup_timeout_s)
@@ -195,18 +223,19 @@ class LocalSwarm:
             proc.wait_ready(self.opts.startup_timeout_s)
         return procs
 
-    def trainer_argv(self, index: int) -> list[str]:
+    def trainer_argv(self, index: int, host: str | None = None) -> list[str]:
         return self._cmd(
             "trainer", *self.join_args(),
             "--steps", str(self.opts.steps), "--trainer-index", str(index), "--num-trainers", str(self.opts.trainers),
-            "--threads", str(self.opts.threads), "--host", self.opts.host, "--json-progress", "--no-progress-bar",
-            *self.opts.trainer_args,
+            "--threads", str(self.opts.threads), "--host", host or self.opts.host, "--json-progress",
+            "--no-progress-bar", *self.opts.trainer_args,
         )  # fmt: skip
 
     def start_trainers(self, on_line=None) -> list[ManagedProcess]:
         self._trainer_on_line = on_line
         for index in range(self.opts.trainers):
-            self.trainers.append(self._spawn(f"trainer{index}", self.trainer_argv(index), on_line=on_line))
+            argv = self.trainer_argv(index, self._ip(f"trainer{index}", "trainer"))
+            self.trainers.append(self._spawn(f"trainer{index}", argv, on_line=on_line, slot=f"trainer{index}"))
         return self.trainers
 
     def restart_trainer(self, index: int) -> ManagedProcess:
@@ -215,7 +244,8 @@ class LocalSwarm:
         old = self.trainers[index]
         self.retired.append(old)
         name = f"trainer{index}-r{sum(1 for p in self.retired if p.name.startswith(f'trainer{index}'))}"
-        self.trainers[index] = self._spawn(name, self.trainer_argv(index), on_line=self._trainer_on_line)
+        argv = self.trainer_argv(index, self._ip(f"trainer{index}", "trainer"))
+        self.trainers[index] = self._spawn(name, argv, on_line=self._trainer_on_line, slot=f"trainer{index}")
         return self.trainers[index]
 
     def start(self) -> None:
@@ -249,6 +279,8 @@ class LocalSwarm:
             t.start()
         for t in threads:
             t.join()
+        if self.lab is not None:
+            self.lab.close()  # and every process still in its namespaces
 
     def __enter__(self) -> LocalSwarm:
         return self

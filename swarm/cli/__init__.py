@@ -18,6 +18,7 @@ Several terminals:  swarm coordinator --run-id demo          (prints the --initi
 
 def make_parser() -> argparse.ArgumentParser:
     # imported here: the roles pull in torch and hivemind, which `swarm sim` does without (see main)
+    from swarm.cli.compose import add_compose_parser
     from swarm.cli.roles import add_coordinator_parser, add_peer_parser, add_trainer_parser
     from swarm.cli.tools import (
         add_chaos_parser,
@@ -45,6 +46,7 @@ def make_parser() -> argparse.ArgumentParser:
     add_chaos_parser(sub)
     add_dashboard_parser(sub)
     add_export_parser(sub)
+    add_compose_parser(sub)
     from swarm.sim.cli import add_sim_parser  # the simulator imports no torch or hivemind at all
 
     add_sim_parser(sub)
@@ -62,11 +64,14 @@ def make_sim_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand. A user's mistake (ConfigError, from wherever it is found) ends here: one line on
+    stderr that names the problem and the fix, exit code 2, no traceback; every command stops what it
+    started before the error reaches this point."""
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = make_sim_parser() if argv[:1] == ["sim"] else make_parser()
     args = parser.parse_args(argv)
     try:
         return args.func(args) or 0
-    except ConfigError as e:  # a user's mistake: one line that names the problem and the fix
-        print(f"swarm {args.command}: {e}", file=sys.stderr, flush=True)
+    except ConfigError as e:
+        print(f"swarm {args.command}: error: {e}", file=sys.stderr, flush=True)
         return 2

@@ -8,6 +8,7 @@ import time
 
 from swarm.core.errors import ConfigError
 from swarm.core.keys import check_fingerprint
+from swarm.core.preflight import parse_maddrs
 
 INITIAL_PEERS_FILE_WAIT_S = 120.0
 
@@ -52,21 +53,31 @@ def add_join_args(p: argparse.ArgumentParser) -> None:
 
 
 def initial_peers(args: argparse.Namespace, timeout_s: float = INITIAL_PEERS_FILE_WAIT_S) -> list[str]:
-    """--initial-peers, or the lines of --initial-peers-file once it exists."""
+    """--initial-peers (several multiaddrs in one argument, separated by spaces, are split: a systemd
+    unit's `${VAR}` passes them so), or the lines of --initial-peers-file once it exists; each one is
+    checked to be a multiaddr with a peer id (ConfigError with the fix otherwise)."""
     if args.initial_peers:
-        return list(args.initial_peers)
+        peers = [m for text in args.initial_peers for m in text.split()]
+        parse_maddrs(peers)
+        return peers
     path = getattr(args, "initial_peers_file", None)
     if not path:
-        raise SystemExit("give --initial-peers MULTIADDR... or --initial-peers-file PATH")
+        raise ConfigError(
+            "give --initial-peers MULTIADDR... (the coordinator prints them) or --initial-peers-file PATH"
+        )
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             with open(path) as f:
-                peers = [line.strip() for line in f if line.strip()]
+                peers = [m for line in f if not line.lstrip().startswith("#") for m in line.split()]
             if peers:
+                parse_maddrs(peers, "--initial-peers-file")
                 return peers
         except FileNotFoundError:
             pass
         if time.monotonic() > deadline:
-            raise SystemExit(f"{path} did not appear (or stayed empty) within {timeout_s:.0f} s")
+            raise ConfigError(
+                f"--initial-peers-file {path} did not appear (or stayed empty) within {timeout_s:.0f} s: "
+                "start the coordinator with --maddrs-file pointing there, or give --initial-peers"
+            )
         time.sleep(0.5)

@@ -6,12 +6,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import os
 import uuid
 
 from swarm.cli.common import add_join_args, initial_peers, install_uvloop
-from swarm.cli.run_options import add_run_options, build_run_config
+from swarm.cli.run_options import add_model_path_arg, add_run_options, apply_model_path, build_run_config
 from swarm.core.debug import add_debug_args, fault_plan_from_args, lie_plan_from_args
+from swarm.core.errors import ConfigError
 from swarm.core.log import setup_logging
+from swarm.core.preflight import check_port_free, check_reachable, check_writable_dir, parse_maddrs
 from swarm.core.settings import add_settings, default_of, from_args
 
 
@@ -43,6 +46,11 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     cfg = from_args(CoordinatorConfig, args)
     if cfg.private != run.private:  # the flag decides; a --config-json's own field is overridden
         run = dataclasses.replace(run, private=cfg.private)
+    check_port_free(cfg.host, cfg.port, "--port")
+    if cfg.maddrs_file:
+        check_writable_dir(os.path.dirname(os.path.abspath(cfg.maddrs_file)), "--maddrs-file's folder")
+    if cfg.initial_peers:
+        check_reachable(parse_maddrs(cfg.initial_peers))
     install_uvloop()
     return asyncio.run(run_coordinator(run, cfg))
 
@@ -53,7 +61,9 @@ def add_peer_parser(sub) -> None:
 
     p = sub.add_parser("peer", help="the run-peer daemon: serves one pipeline stage")
     add_join_args(p)
+    add_model_path_arg(p)
     add_settings(p, PeerConfig, skip=("run_id",))
+    p.add_argument("--public-ip", dest="announce_host", metavar="IP", help="the same as --announce-host")
     add_settings(p, AveragingConfig)
     add_debug_args(p)
     p.set_defaults(func=cmd_peer)
@@ -62,9 +72,11 @@ def add_peer_parser(sub) -> None:
 def cmd_peer(args: argparse.Namespace) -> int:
     from swarm.peer.config import PeerConfig
     from swarm.peer.daemon import run_peer
+    from swarm.peer.preflight import check_settings
     from swarm.training.averaging import AveragingConfig
 
     setup_logging("peer", args.log_level)
+    apply_model_path(args)
     try:
         averaging = from_args(AveragingConfig, args)
         joins = {"initial_peers": initial_peers(args), "run_key": args.run_key, "invite": args.invite}
@@ -72,8 +84,13 @@ def cmd_peer(args: argparse.Namespace) -> int:
         faults = fault_plan_from_args(args)
         lie = lie_plan_from_args(args)
     except ValueError as e:
-        raise SystemExit(f"swarm peer: {e}") from None
+        raise ConfigError(str(e)) from None
     install_uvloop()
+    if cfg.check:
+        from swarm.peer.check import run_check
+
+        return run_check(cfg)
+    check_settings(cfg)  # before anything starts
     return asyncio.run(run_peer(cfg, faults, args.profile_dir, lie))
 
 
@@ -82,6 +99,7 @@ def add_trainer_parser(sub) -> None:
 
     p = sub.add_parser("trainer", help="streams microbatches from its data shard through the stages")
     add_join_args(p)
+    add_model_path_arg(p)
     add_settings(p, TrainerConfig, skip=("run_id",))
     p.set_defaults(func=cmd_trainer)
 
@@ -91,7 +109,11 @@ def cmd_trainer(args: argparse.Namespace) -> int:
     from swarm.trainer.loop import run_trainer
 
     setup_logging("trainer", args.log_level)
+    apply_model_path(args)
     cfg = from_args(TrainerConfig, args, initial_peers=initial_peers(args), run_key=args.run_key, invite=args.invite)
+    if cfg.sample_log:
+        check_writable_dir(os.path.dirname(os.path.abspath(cfg.sample_log)), "--sample-log's folder")
+    check_reachable(parse_maddrs(cfg.initial_peers))
     install_uvloop()
     asyncio.run(run_trainer(cfg))
     return 0

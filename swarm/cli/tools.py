@@ -6,12 +6,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import signal
 import sys
 import uuid
 
 from swarm.cli.common import add_join_args, initial_peers
-from swarm.cli.run_options import add_run_options, build_run_config
+from swarm.cli.run_options import add_run_options, apply_model_path, build_run_config
+from swarm.core.errors import ConfigError
 from swarm.core.log import setup_logging
+from swarm.core.preflight import check_writable_dir
 from swarm.core.settings import add_settings, default_of, from_args
 from swarm.local import LocalOptions
 from swarm.peer.config import PeerConfig
@@ -51,17 +55,49 @@ def cmd_local(args: argparse.Namespace) -> int:
         run_args=["--config-json", run.to_json()],
         peer_args=checkpoint_args + allow + args.peer_arg,
         trainer_args=allow + list(args.trainer_arg),
+        env=model_path_env(args),
     )
-    try:
-        opts.layout()
-    except ValueError as e:
-        raise SystemExit(f"swarm local: {e}") from None
+    opts.layout()
+    check_local(opts, run, args.checkpoint_dir)  # before any process starts
+    signal.signal(signal.SIGTERM, _interrupt)  # stop everything (and remove a --netns lab) as on Ctrl-C
     try:
         run_local(opts, as_json=args.json)
     except KeyboardInterrupt:
         print("\ninterrupted: every process of the local swarm was stopped", file=sys.stderr)
         return 130
     return 0
+
+
+def model_path_env(args: argparse.Namespace) -> dict[str, str]:
+    """PYTHONPATH for the processes of a local swarm: --custom-model-path folders first."""
+    paths = apply_model_path(args)
+    if not paths:
+        return {}
+    return {"PYTHONPATH": os.pathsep.join([*paths, *filter(None, [os.environ.get("PYTHONPATH")])])}
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def check_local(opts: LocalOptions, run, checkpoint_dir: str | None) -> None:
+    """What `swarm local` can check before it starts a process: the model builds, the data loads and fits it,
+    the folders it writes are writable (ConfigError with the fix)."""
+    from swarm.training.preflight import check_run
+
+    if opts.netns:
+        from swarm.netlab import NetLabError, check_available, get_profile
+
+        try:
+            check_available()
+            get_profile(opts.netns)
+        except (NetLabError, ValueError) as e:
+            raise ConfigError(f"--netns {opts.netns}: {e}") from None
+    if checkpoint_dir:
+        check_writable_dir(checkpoint_dir, "--checkpoint-dir")
+    if opts.log_dir:
+        check_writable_dir(opts.log_dir, "--log-dir")
+    check_run(run)
 
 
 def add_chaos_parser(sub) -> None:
@@ -93,7 +129,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     try:
         chaos = from_args(ChaosOptions, args)
     except ValueError as e:
-        raise SystemExit(f"swarm chaos: {e}") from None
+        raise ConfigError(str(e)) from None
     layout = args.stage_layout
     stages = args.stages or (len(layout) if layout else 3)
     run_id = args.run_id or f"chaos-{uuid.uuid4().hex[:8]}"
@@ -214,6 +250,6 @@ def cmd_export(args: argparse.Namespace) -> int:
     try:
         result = export(args.checkpoint_dir, args.out, args.step)
     except ValueError as e:
-        raise SystemExit(f"swarm export: {e}") from None
+        raise ConfigError(str(e)) from None
     print(json.dumps(result))
     return 0

@@ -6,7 +6,11 @@ config signed by that key (a second coordinator publishing another config for th
 nothing). Without `--run-key` they accept the one signing key they find, and refuse to guess when
 several keys signed configs. A config naming a custom model factory is accepted only if the reader's
 own operator allowed that factory on its command line (`--allow-model`): the DHT never makes a peer
-import code."""
+import code.
+
+A wrong --run-id is told at once, not after the deadline: the DHT keeps a registry of the runs whose
+config is published on it, and a run that stays absent from a non-empty registry for a few seconds is
+not coming."""
 
 from __future__ import annotations
 
@@ -19,6 +23,10 @@ from swarm.core.errors import ConfigError
 from swarm.core.keys import SigningKey, b64, fingerprint, unb64, verify
 from swarm.dht.node import SwarmDHT
 from swarm.training.config import RunConfig
+
+# A run missing from a registry that lists others for this long is a wrong run id (its coordinator
+# publishes the config before it prints its multiaddrs, so a real run is there long before).
+RUN_ABSENT_GRACE_S = 4.0
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +68,13 @@ class SignedConfig:
 
     @property
     def run(self) -> RunConfig:
-        return RunConfig.from_json(self.config_json)
+        try:
+            return RunConfig.from_json(self.config_json)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(
+                f"the run config published for this run cannot be used here ({e}): "
+                "run the same swarm version as the coordinator"
+            ) from None
 
 
 def choose(records: list[str], run_key: str | None) -> SignedConfig | None:
@@ -100,17 +114,33 @@ def check_model_allowed(run: RunConfig, allowed: list[str] | tuple[str, ...]) ->
 
 
 def fetch_signed_config(
-    dht: SwarmDHT, timeout_s: float, run_key: str | None = None, allowed_models: list[str] | tuple[str, ...] = ()
+    dht: SwarmDHT,
+    timeout_s: float,
+    run_key: str | None = None,
+    allowed_models: list[str] | tuple[str, ...] = (),
+    absent_grace_s: float = RUN_ABSENT_GRACE_S,
 ) -> SignedConfig:
     """The run's signed config, polled with a growing delay (0.2 s to 2 s) until `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     delay = 0.2
+    absent_since: float | None = None
     while True:
         found = choose(dht.get_config_records(), run_key)
         if found is not None:
             check_model_allowed(found.run, allowed_models)
             return found
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        runs = dht.get_runs()
+        if runs and dht.run_id not in runs:
+            absent_since = now if absent_since is None else absent_since
+            if now - absent_since >= absent_grace_s:
+                raise ConfigError(
+                    f"run {dht.run_id!r} is not on this DHT, which has run(s) {', '.join(sorted(runs))}: "
+                    "check --run-id (the coordinator prints it)"
+                )
+        else:
+            absent_since = None
+        if now > deadline:
             signed_by = f" signed by {run_key}" if run_key else ""
             raise ConfigError(
                 f"no run config{signed_by} for run {dht.run_id!r} on the DHT after {timeout_s:.0f} s: is the "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Callable
 
 import pydantic.v1 as pydantic
@@ -16,9 +17,12 @@ from hivemind.dht import DHT
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import SchemaValidator
 from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
 
+from swarm.core.errors import ConfigError
 from swarm.core.procs import die_with_parent
 from swarm.core.settings import DHT_TIMEOUT_S
+from swarm.dht import reachability
 from swarm.dht.records import (
     MAX_STAGES,
     AccusationRecord,
@@ -30,6 +34,25 @@ from swarm.dht.records import (
 )
 
 logger = logging.getLogger(__name__)
+
+# The registry of runs on a DHT: subkey = the publisher's key, value = a run id. Not of the form
+# `{run}_{field}`, so no run's records can collide with it.
+RUNS_KEY = "swarm-runs"
+
+
+def load_identity(path: str) -> RSAPrivateKey:
+    """The RSA key of a hivemind identity file (created, as hivemind does, if missing): it signs this node's
+    records too, so a restarted process with the same file overwrites its own records."""
+    from hivemind.p2p import P2P
+    from hivemind.proto import crypto_pb2
+
+    if not os.path.isfile(path):
+        P2P.generate_identity(path)
+    with open(path, "rb") as f:
+        proto = crypto_pb2.PrivateKey.FromString(f.read())
+    key = RSAPrivateKey.__new__(RSAPrivateKey)
+    key.__setstate__({"_private_key": proto.data})
+    return key
 
 
 class _DyingDHT(DHT):
@@ -64,14 +87,17 @@ class SwarmDHT:
         start_timeout: float = 60.0,
         client_mode: bool = False,
         timeout: float = DHT_TIMEOUT_S,
+        identity_path: str | None = None,
     ) -> None:
+        """identity_path: a private key file (created if missing) that fixes this node's peer id and the key
+        that signs its records, so that a restarted process keeps both."""
         self.run_id = run_id
         self.timeout = timeout
         # a private swarm: this member's certificate goes into every record it writes, and records
         # whose (owner, certificate) the filter refuses are ignored (swarm.cluster.authority)
         self.cert_source: Callable[[], str] | None = None
         self.member_filter: Callable[[bytes, str | None, tuple[str, ...] | None], bool] | None = None
-        self.signer = RSASignatureValidator()
+        self.signer = RSASignatureValidator(load_identity(identity_path) if identity_path else None)
         self.owner = self.signer.local_public_key
         validators = [SchemaValidator(SwarmSchema, allow_extra_keys=True, prefix=run_id), self.signer]
         announce = [f"/ip4/{announce_host}/tcp/{port}"] if announce_host and port else None
@@ -84,8 +110,21 @@ class SwarmDHT:
             record_validators=validators,
             client_mode=client_mode,
             start=False,
+            **({"identity_path": identity_path} if identity_path else {}),
         )
-        self.dht.run_in_background(await_ready=True, timeout=start_timeout)
+        try:
+            self.dht.run_in_background(await_ready=True, timeout=start_timeout)
+        except Exception as e:  # noqa: BLE001 - hivemind raises RuntimeError, P2PDaemonError, TimeoutError...
+            self.shutdown()
+            first = (initial_peers or ["(none)"])[0]
+            why = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+            raise ConfigError(
+                f"the DHT node did not start or could not join through {first} ({why}): check that --initial-peers "
+                "are the multiaddrs the coordinator printed (peer id included) and that it is still running"
+                + ("; and that no other process uses this --identity-path" if identity_path else "")
+            ) from None
+        if not client_mode:
+            self.dht.run_coroutine(reachability.register)  # answer other nodes' dial-back requests
 
     # ---- deadline-bound primitives: every DHT wait ends ----
 
@@ -110,6 +149,10 @@ class SwarmDHT:
 
     def visible_maddrs(self) -> list[str]:
         return [str(m) for m in self.dht.get_visible_maddrs()]
+
+    def dialback(self, peer_id: str, targets: list[str], timeout_s: float = 10.0) -> dict:
+        """Ask DHT node `peer_id` to connect to `targets` ("host:port"); see swarm.dht.reachability."""
+        return reachability.ask_dialback(self.dht, peer_id, targets, timeout_s)
 
     @property
     def peer_id(self) -> str:
@@ -150,8 +193,19 @@ class SwarmDHT:
     # ---- run config ----
 
     def publish_config(self, signed_config: str, ttl: float) -> bool:
-        """Store the run config (a signed envelope: swarm.cluster.runconfig) under this node's key."""
-        return self._store(self.key("config"), self.owner, signed_config, get_dht_time() + ttl)
+        """The run config (a signed envelope: swarm.cluster.runconfig) under `{run}_config`, and the run's id
+        in the registry of runs on this DHT (so that a process given a wrong --run-id learns at once which runs
+        there are)."""
+        expiration = get_dht_time() + ttl
+        self._store(RUNS_KEY, self.owner, self.run_id, expiration)
+        return self._store(self.key("config"), self.owner, signed_config, expiration)
+
+    def get_runs(self) -> set[str]:
+        """The ids of the runs whose config is published on this DHT (from the registry of runs)."""
+        found = self._get(RUNS_KEY)
+        if found is None or not isinstance(found.value, dict):
+            return set()
+        return {item.value for item in found.value.values() if isinstance(item.value, str)}
 
     def get_config_records(self) -> list[str]:
         """Every run config published for this run, freshest first (anyone can publish one: the

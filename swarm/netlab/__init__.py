@@ -4,13 +4,13 @@ Each process of a local swarm can run in its own network namespace ("host"), wit
 chosen bandwidth, delay, jitter and loss to the others:
 
     with NetLab("run-42", profile="internet", seed=0) as lab:
-        coord = lab.add_host("coordinator", role="coordinator")     # 198.18.X.1, the first host
-        peer = lab.add_host("peer0")                                 # 198.18.X.2, link from the profile
+        coord = lab.add_host("coordinator", role="coordinator")     # 100.64.X.1, the first host
+        peer = lab.add_host("peer0")                                 # 100.64.X.2, link from the profile
         subprocess.Popen(peer.wrap(["swarm", "peer", "--host", peer.ip, ...]))
     # every namespace, interface and process of the lab is gone here
 
 Topology. The root namespace is left untouched: nothing of a lab is created in it. A "switch" namespace holds
-the switch; host i's namespace holds one end of a veth pair (swnlKEYhI, address 198.18.X.(i+1)/24, loopback
+the switch; host i's namespace holds one end of a veth pair (swnlKEYhI, address 100.64.X.(i+1)/24, loopback
 up), whose other end (swnlKEYsI) is a port of the switch. There is no default route, no NAT, and nothing is
 bridged to a real interface: a host reaches the other hosts of its lab and nothing else (connecting elsewhere
 fails at once with "network unreachable"). `ip netns exec` mounts /etc/netns/NS/hosts over /etc/hosts, where the
@@ -29,7 +29,8 @@ kernel has sch_netem, else userspace:
 
 Names (naming.py): KEY = sha1(run_id)[:6]; namespaces swnl-KEY-sw, swnl-KEY-h0, ...; interfaces swnlKEYhI,
 swnlKEYsI, swnlKEYbr (<= 14 characters, only inside the lab's namespaces); subnet: the /24 number KEY mod 512 of
-198.18.0.0/15. State: /run/swarm-netlab/KEY.json records the owner's pid and start time. start() first removes
+100.64.0.0/15 (naming.py says why not 198.18.0.0/15). State: /run/swarm-netlab/KEY.json records the owner's pid
+and start time. start() first removes
 what an earlier lab of the same run id left; cleanup_stale() removes every lab whose owner is dead (or, with a
 prefix, every lab whose namespaces start with it, e.g. "swnl-"). Processes left in a lab's namespaces are killed.
 

@@ -16,6 +16,7 @@ segmentation in userspace, no broken checksums).
 
 Control protocol, one JSON object a line on stdin, one reply line on stdout:
     {"op": "add", "ifname": "...", "delay_ms": 20, "jitter_ms": 2, "loss_pct": 0.1, "seed": 7}  -> "ok add IFNAME"
+        optional "inbound": false: drop TCP connection attempts (SYN without ACK) to that host, as a NAT would
     {"op": "stats"}                                                                                -> "ok stats {...}"
 It exits when stdin reaches EOF (its owner closed the lab or died) or on SIGTERM.
 """
@@ -58,6 +59,7 @@ class Port:
     jitter_s: float
     loss: float
     rng: random.Random
+    inbound: bool = True  # False: connections to this host are refused on the way (TCP SYN without ACK dropped)
     sent: int = 0
     dropped: int = 0
 
@@ -96,6 +98,7 @@ class Switch:
             jitter_s=float(cmd.get("jitter_ms") or 0) / 1000,
             loss=float(cmd.get("loss_pct") or 0) / 100,
             rng=random.Random(f"{cmd.get('seed', 0)}/{cmd['ifname']}"),
+            inbound=bool(cmd.get("inbound", True)),
         )
         self.ports.append(port)
         return port
@@ -122,6 +125,9 @@ class Switch:
 
     def schedule(self, src: int, dst: int, frame: bytes) -> None:
         inp, out = self.ports[src], self.ports[dst]
+        if not out.inbound and is_tcp_connect(frame):
+            out.dropped += 1  # a host behind NAT: nobody can open a connection to it; its own connections work
+            return
         if inp.lost() or out.lost() or self.queued_bytes + len(frame) > MAX_QUEUED_BYTES:
             out.dropped += 1
             return
@@ -158,6 +164,18 @@ class Switch:
     def stats(self) -> dict:
         ports = {p.ifname: {"sent": p.sent, "dropped": p.dropped} for p in self.ports}
         return {"ports": ports, "queued": len(self.queue), "queued_bytes": self.queued_bytes}
+
+
+def is_tcp_connect(frame: bytes) -> bool:
+    """Whether a frame (after the vnet header) is an IPv4 TCP segment opening a connection: SYN set, ACK not."""
+    eth = VNET_HDR_LEN
+    if len(frame) < eth + 14 + 20 or frame[eth + 12 : eth + 14] != b"\x08\x00":
+        return False
+    ip = eth + 14
+    if frame[ip + 9] != 6:  # not TCP
+        return False
+    tcp = ip + (frame[ip] & 0x0F) * 4
+    return len(frame) > tcp + 13 and frame[tcp + 13] & 0x12 == 0x02
 
 
 def handle_command(switch: Switch, sel: selectors.BaseSelector, line: str) -> str:

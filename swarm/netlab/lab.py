@@ -42,6 +42,7 @@ class Host:
     role: str = "peer"
     index: int = 0
     ifname: str = ""
+    inbound: bool = True  # False: behind NAT (others cannot open connections to it)
 
     def wrap(self, argv: list[str]) -> list[str]:
         """argv run inside this host's namespace (`ip netns exec` sets the namespace, then execs argv: same pid)."""
@@ -70,6 +71,7 @@ class NetLab:
         self.hosts: list[Host] = []
         self.backend = backend
         self._role_counts: dict[str, int] = {}
+        self._aliases: dict[str, list[str]] = {}
         self._forwarder: subprocess.Popen | None = None
         self._netem = False
         self._started = False
@@ -170,8 +172,9 @@ class NetLab:
             return {}
         return json.loads(self._forwarder_call({"op": "stats"}).removeprefix("stats "))
 
-    def add_host(self, name: str, role: str = "peer", link: LinkSpec | None = None) -> Host:
-        """Create host `name` (namespace, address, shaped link). link None: the profile's link for name/role."""
+    def add_host(self, name: str, role: str = "peer", link: LinkSpec | None = None, inbound: bool = True) -> Host:
+        """Create host `name` (namespace, address, shaped link). link None: the profile's link for name/role.
+        inbound=False puts it behind NAT: it connects out, but nobody can connect to it (userspace backend)."""
         if not self._started or self._closed:
             raise NetLabError(f"add_host({name!r}): the lab is not started (call start() or use `with NetLab(...)`)")
         if not _HOST_NAME.match(name):
@@ -187,14 +190,17 @@ class NetLab:
                 f"host {name!r}: link {link.describe()} needs the netem qdisc, which this kernel lacks "
                 "(CONFIG_NET_SCH_NETEM): use backend 'auto' or 'userspace'"
             )
+        if not inbound and self.backend != tc.USERSPACE:
+            raise NetLabError(f"host {name!r}: a host behind NAT (inbound=False) needs the userspace backend")
         self._role_counts[role] = self._role_counts.get(role, 0) + 1
         try:
             ip = naming.host_ip(self.key, index)
         except ValueError as e:
             raise NetLabError(str(e)) from e
         host = Host(
-            name, naming.host_netns(self.key, index), str(ip), link, role, index, naming.host_ifname(self.key, index)
-        )
+            name, naming.host_netns(self.key, index), str(ip), link, role, index, naming.host_ifname(self.key, index),
+            inbound,
+        )  # fmt: skip
         self.hosts.append(host)  # before creating anything: close() removes what exists of it
         self._create_host(host)
         self._write_hosts_files()
@@ -224,6 +230,7 @@ class NetLab:
                     "jitter_ms": link.jitter_ms or 0,
                     "loss_pct": link.loss_pct or 0,
                     "seed": self.seed,
+                    "inbound": host.inbound,
                 }
             )
 
@@ -232,12 +239,18 @@ class NetLab:
         each other by name, and the machine's hostname resolves to the host's own address (`hostname -i` gives
         the lab IP, as in a container). Rewritten in place, so processes started earlier see later hosts too."""
         common = ["127.0.0.1 localhost", "::1 localhost ip6-localhost ip6-loopback"]
-        common += [f"{h.ip} {h.name}" for h in self.hosts]
+        common += [" ".join([h.ip, h.name, *self._aliases.get(h.name, [])]) for h in self.hosts]
         machine = socket.gethostname()
         for h in self.hosts:
             os.makedirs(os.path.join(naming.ETC_NETNS, h.netns), exist_ok=True)
             with open(os.path.join(naming.ETC_NETNS, h.netns, "hosts"), "w") as f:
                 f.write("\n".join([f"{h.ip} {machine}", *common]) + "\n")
+
+    def set_aliases(self, name: str, aliases: list[str]) -> None:
+        """More names for host `name` in every host's /etc/hosts (a container's service name, say)."""
+        self.host(name)
+        self._aliases[name] = list(aliases)
+        self._write_hosts_files()
 
     def host(self, name: str) -> Host:
         for h in self.hosts:

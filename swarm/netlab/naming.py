@@ -5,8 +5,12 @@ A lab's key is the first 6 hex digits of sha1(run_id). From it:
   interfaces   swnlKEYhI (host end of host I's veth), swnlKEYsI (switch end), swnlKEYbr (bridge); at most
                4 + 6 + 1 + 3 = 14 characters for I < 1000, under Linux's 15. They only ever exist inside the
                lab's namespaces, never in the root namespace.
-  subnet       198.18.0.0/15 (reserved for network test labs) cut into 512 /24 subnets; the lab takes
-               the one numbered KEY mod 512, and host I gets .I+1 (so the first host, the coordinator, is .1).
+  subnet       100.64.0.0/15 cut into 512 /24 subnets; the lab takes the one numbered KEY mod 512, and host I
+               gets .I+1 (so the first host, the coordinator, is .1). The addresses exist only inside the lab's
+               namespaces, which have no route out. Why not 198.18.0.0/15 (RFC 2544's benchmarking range):
+               libp2p counts it "unroutable" and its DHT drops such addresses, so hivemind peers in a lab could
+               not find each other (the stage all-reduce failed with "routing: not found"); 100.64.0.0/10
+               (RFC 6598, shared address space) is private to libp2p, as a LAN is.
   state        /run/swarm-netlab/KEY.json (owner pid, run id, namespaces), /etc/netns/swnl-KEY-*/hosts.
 """
 
@@ -20,7 +24,7 @@ NS_PREFIX = "swnl-"
 IF_PREFIX = "swnl"
 STATE_DIR = "/run/swarm-netlab"
 ETC_NETNS = "/etc/netns"
-LAB_RANGE = ipaddress.IPv4Network("198.18.0.0/15")
+LAB_RANGE = ipaddress.IPv4Network("100.64.0.0/15")
 SUBNET_PREFIXLEN = 24
 MAX_HOSTS = 250
 IFNAMSIZ = 15
@@ -74,7 +78,7 @@ def parse_netns(name: str) -> str | None:
 
 
 def lab_subnet(key: str) -> ipaddress.IPv4Network:
-    """The /24 of 198.18.0.0/15 used by this lab."""
+    """The /24 of LAB_RANGE (100.64.0.0/15) used by this lab."""
     count = 2 ** (SUBNET_PREFIXLEN - LAB_RANGE.prefixlen)
     index = int(key, 16) % count
     base = int(LAB_RANGE.network_address) + index * 2 ** (32 - SUBNET_PREFIXLEN)

@@ -25,7 +25,15 @@ class PeerConfig:
     host: str = setting("127.0.0.1", "interface for gRPC and the DHT (0.0.0.0 for all)")
     port: int = setting(0, "gRPC port (0: any free port)")
     dht_port: int = setting(0, "DHT port (0: any free port)")
-    announce_host: str | None = setting(None, "address other machines reach this peer at (behind NAT, in containers)")
+    announce_host: str | None = setting(
+        None, "address other machines reach this peer at (public IP behind NAT, container IP; peers/README.md)"
+    )
+    identity_path: str | None = setting(
+        None, "private key file (created if missing) that keeps this peer's id and record key across restarts"
+    )
+    check: bool = setting(
+        False, "check this box (device, memory, ports, DHT, run config, throughput, reachability), then exit"
+    )
     device: str = setting("auto", "auto (CUDA when present, else CPU), cpu, cuda, cuda:N")
     threads: int = setting(0, "torch intra-op threads (0: torch's default)")
     announce_period_s: float = setting(2.0, "seconds between DHT record refreshes")

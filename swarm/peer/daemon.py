@@ -15,11 +15,12 @@ import logging
 import math
 import os
 import signal
+import time
 
 import torch
 
 from swarm.cluster.authority import secure
-from swarm.cluster.runconfig import fetch_signed_config
+from swarm.cluster.runconfig import SignedConfig, fetch_signed_config
 from swarm.cluster.view import SwarmView
 from swarm.core.auth import Verifier
 from swarm.core.debug import LEAVE, FaultPlan, LiePlan, cpu_profile
@@ -33,6 +34,7 @@ from swarm.peer.config import PeerConfig
 from swarm.peer.membership import Membership
 from swarm.peer.partials import MatePartials
 from swarm.peer.placement import PlacementLoop
+from swarm.peer.preflight import announced_targets, reachability_problems, resolve_device
 from swarm.peer.records import EventLog, PeerRecords
 from swarm.peer.server import StageService, start_server
 from swarm.peer.serving import Limits, ServingState
@@ -46,15 +48,6 @@ CONFIG_CHECK_S = 30.0  # how often a peer checks that the run config record is s
 CONFIG_TTL_S = 120.0
 SERVER_GRACE_S = 1.0
 FAULT_LEAVE_HOLD_S = 2.0  # the leave fault: how long the peer looks online with its compute stopped
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda requested but CUDA is not available: use --device cpu (or auto)")
-    return device
 
 
 class Peer:
@@ -76,24 +69,38 @@ class Peer:
         self._tasks: list[asyncio.Task] = []
         self.keeper = None  # a private swarm's certificate keeper
 
-    async def start(self) -> None:
+    async def _join_run(self) -> tuple[SignedConfig, Verifier | None]:
+        """The run's signed config; in a private swarm, admission (a certificate every call carries) and the
+        verifier of incoming calls."""
         cfg = self.cfg
         loop = asyncio.get_running_loop()
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
-        # on the main thread, which outlives the DHT process (see swarm.dht.node._DyingDHT)
-        self.dht = SwarmDHT(
-            cfg.run_id, cfg.initial_peers, host=cfg.host, port=cfg.dht_port, announce_host=cfg.announce_host
-        )
-        set_context(peer=self.dht.peer_id[-6:])
         signed = await loop.run_in_executor(
             None, fetch_signed_config, self.dht, cfg.join_timeout_s, cfg.run_key, cfg.allow_model
         )
         run = signed.run
+        if cfg.stage != "auto" and not 0 <= int(cfg.stage) < run.num_stages:
+            raise ConfigError(
+                f"--stage {cfg.stage} is out of range: run {run.run_id!r} has {run.num_stages} stages "
+                f"(0..{run.num_stages - 1}); use one of those or --stage auto"
+            )
         self.keeper = await loop.run_in_executor(None, secure, self.dht, signed, cfg.invite, "peer")
         if self.keeper is not None:  # a private swarm: every call carries this member's certificate
             self.clients.credentials = self.keeper.credentials
-        verifier = Verifier(run.run_id, signed.key) if run.private else None
+        return signed, Verifier(run.run_id, signed.key) if run.private else None
+
+    async def start(self) -> None:
+        t0 = time.monotonic()
+        cfg = self.cfg
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        # on the main thread, which outlives the DHT process (see swarm.dht.node._DyingDHT)
+        self.dht = SwarmDHT(
+            cfg.run_id, cfg.initial_peers, host=cfg.host, port=cfg.dht_port, announce_host=cfg.announce_host,
+            identity_path=cfg.identity_path,
+        )  # fmt: skip
+        set_context(peer=self.dht.peer_id[-6:])
+        signed, verifier = await self._join_run()
+        run = signed.run
         self.serving = ServingState(run.run_id, self.dht.peer_id, __version__)
         self.serving.lie = self.lie
         self.serving.codec = codec_from_name(run.codec)
@@ -129,8 +136,13 @@ class Peer:
             costs = stage_costs(run.model, run.num_stages)
             placement = PlacementLoop(m, run.num_stages, costs, cfg.rebalance_period_s, cfg.rebalance_threshold)
             self._tasks.append(asyncio.create_task(placement.run()))
-        self.events.add("join", stage=m.stage, step=m.step, throughput=round(self.serving.throughput, 2))
+        seconds = time.monotonic() - t0
+        logger.info("joined stage %d in %.2f s", m.stage, seconds)
+        self.events.add(
+            "join", stage=m.stage, step=m.step, throughput=round(self.serving.throughput, 2), seconds=round(seconds, 2)
+        )
         self._print_ready()
+        self._tasks.append(asyncio.create_task(self._check_reachable(port)))
 
     def _print_ready(self) -> None:
         m = self.membership
@@ -149,6 +161,14 @@ class Peer:
             "serving stage %d from step %d at %s (%.1f samples/s)",
             m.stage, m.step, self.records.address, self.serving.throughput,
         )  # fmt: skip
+
+    async def _check_reachable(self, grpc_port: int) -> None:
+        """Tell the operator at start when others cannot connect to this peer (behind NAT, closed ports)."""
+        targets = announced_targets(self.cfg, grpc_port, self.dht.visible_maddrs())
+        loop = asyncio.get_running_loop()
+        for line in await loop.run_in_executor(None, reachability_problems, self.dht, self.cfg, targets):
+            logger.warning("%s", line)
+            self.events.add("unreachable", detail=line[:200])
 
     async def _step_loop(self) -> None:
         """Apply the stage's pending update when it is due (swarm.peer.stepping decides)."""
@@ -218,7 +238,8 @@ class Peer:
         m = self.membership
         counters = self.counters()
         print(COUNTERS_PREFIX + json.dumps(counters), flush=True)
-        logger.info("shutting down: %s", json.dumps(counters))
+        if self.serving is not None:  # quiet when the start failed: the error is the one line to read
+            logger.info("shutting down: %s", json.dumps(counters))
         loop = asyncio.get_running_loop()
         if m is not None and m.runtime is not None:
             self.events.add("leave", publish=False, stage=m.stage)
@@ -243,7 +264,8 @@ class Peer:
             self.keeper.stop()
         if self.dht is not None:
             await loop.run_in_executor(None, self.dht.shutdown)
-        logger.info("stopped")
+        if self.serving is not None:
+            logger.info("stopped")
 
 
 async def run_peer(

@@ -320,8 +320,8 @@ class Trainer:
 
     async def train(self) -> dict:
         t0 = time.monotonic()
-        await self.setup()
         try:
+            await self.setup()  # inside: a failed setup (wrong run id...) still stops the DHT node it started
             start_step = await self.wait_for_stages()
             if start_step >= self.cfg.steps:
                 logger.info("the swarm is already at step %d >= %d", start_step, self.cfg.steps)

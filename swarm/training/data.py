@@ -6,6 +6,9 @@
 - "tokens": a nanoGPT-style uint16 token file (.bin); validation is `val.bin` beside it when present,
   else the last `val_fraction` of the tokens.
 - "synthetic": a classification task from a fixed random teacher, for the MLP test model.
+- "custom": your own, made by a dataset factory of your model's module (`factory`, see
+  swarm/training/models/custom.py): factory(seed=...) returns an object with num_train, num_val,
+  train(indices) and val(indices).
 
 A language-model sample i is the window tokens[i*L : i*L + L + 1] (inputs and shifted targets), so
 samples never overlap. Trainer j of T takes positions j, j+T, j+2T, ... of each epoch's permutation.
@@ -30,7 +33,7 @@ logger = logging.getLogger(__name__)
 TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".json", ".csv", ".html", ".c", ".h", ".js", ".tex"}
 
 
-DATASET_KINDS = ("stdlib", "text", "tokens", "synthetic")
+DATASET_KINDS = ("stdlib", "text", "tokens", "synthetic", "custom")
 
 
 @dataclass(frozen=True)
@@ -46,12 +49,16 @@ class DataConfig:
     max_bytes: int = setting(8_000_000, "bytes of text read at most", flag="--data-max-bytes")
     seed: int = setting(0, "data order seed (--seed sets it)", cli=False)
     synthetic_samples: int = setting(20_000, "samples of the synthetic dataset", cli=False)
+    factory: str | None = setting(None, "custom: the dataset factory, package.module:function", cli=False)
+    kwargs: dict | None = setting(None, "custom: keyword arguments of the dataset factory", cli=False)
 
     def __post_init__(self) -> None:
         if self.kind not in DATASET_KINDS:
-            raise ValueError(f"unknown dataset kind {self.kind!r}; choose stdlib, text, tokens or synthetic")
+            raise ValueError(f"unknown dataset kind {self.kind!r}; choose one of {', '.join(DATASET_KINDS)}")
+        if self.kind == "custom" and ":" not in str(self.factory or ""):
+            raise ValueError("a custom dataset needs a factory, 'package.module:make_dataset'")
         if self.kind in ("text", "tokens") and not self.path:
-            raise ValueError(f"dataset kind {self.kind!r} needs a path")
+            raise ValueError(f"--dataset {self.kind} needs --data-path (a folder of text files, or a .bin token file)")
         if not 0.0 < self.val_fraction < 0.5:
             raise ValueError(f"val_fraction must be in (0, 0.5), got {self.val_fraction}")
 
@@ -152,8 +159,23 @@ def stdlib_files() -> tuple[Path, list[Path]]:
     return root, files
 
 
+def load_custom(cfg: DataConfig) -> Dataset:
+    """The dataset of a custom dataset factory, checked to have the Dataset interface."""
+    from swarm.training.models import load_factory
+
+    dataset = load_factory(cfg.factory)(seed=cfg.seed, **(cfg.kwargs or {}))
+    missing = [name for name in ("num_train", "num_val", "train", "val") if not hasattr(dataset, name)]
+    if missing:
+        raise ValueError(f"the dataset from {cfg.factory} lacks {', '.join(missing)} (see swarm.training.data.Dataset)")
+    if dataset.num_train < 1 or dataset.num_val < 1:
+        raise ValueError(f"the dataset from {cfg.factory} has {dataset.num_train} train, {dataset.num_val} val samples")
+    return dataset
+
+
 def load_dataset(cfg: DataConfig, model_spec: dict) -> Dataset:
     kind = cfg.kind
+    if kind == "custom":
+        return load_custom(cfg)
     if kind == "synthetic":
         if model_spec.get("kind") != "mlp":
             raise ValueError("the synthetic dataset is a classification task for the 'mlp' model")
@@ -168,15 +190,15 @@ def load_dataset(cfg: DataConfig, model_spec: dict) -> Dataset:
     elif kind == "text":
         root = Path(cfg.path).expanduser().resolve()
         if not root.is_dir():
-            raise ValueError(f"text dataset path {root} is not a folder")
+            raise ValueError(f"--data-path {root} is not a folder: give a folder of text files for --dataset text")
         files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
         if not files:
-            raise ValueError(f"no text files ({', '.join(sorted(TEXT_SUFFIXES))}) under {root}")
+            raise ValueError(f"no text files ({', '.join(sorted(TEXT_SUFFIXES))}) under --data-path {root}: add some")
         train, val = _split_files(files, root, cfg.val_fraction, cfg.max_bytes)
     else:
         path = Path(cfg.path).expanduser().resolve()
         if not path.is_file():
-            raise ValueError(f"token file {path} does not exist")
+            raise ValueError(f"--data-path {path} is not a file: give a uint16 token file (.bin) for --dataset tokens")
         tokens = np.memmap(path, dtype=np.uint16, mode="r")
         val_path = path.with_name("val.bin")
         if val_path.exists() and val_path != path:

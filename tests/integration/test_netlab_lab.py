@@ -298,3 +298,18 @@ def test_kernel_backend_bridge_and_tbf():
         finally:
             echo.kill()
             echo.wait(timeout=5)
+
+
+def test_host_behind_nat_connects_out_but_takes_no_connections():
+    with NetLab(f"pytest-netlab-nat-{os.getpid()}") as lab:
+        open_host = lab.add_host("open")
+        natted = lab.add_host("natted", inbound=False)
+        servers = [start_server(open_host, "serve"), start_server(natted, "serve")]
+        try:
+            assert float(tool(natted, "rtt", open_host.ip, "3")) > 0  # its own connections work, both ways
+            name, seconds = tool(open_host, "connect", natted.ip, str(PORT)).split(maxsplit=1)
+            assert name != "CONNECTED" and float(seconds.split()[-1]) >= 2.5, (name, seconds)  # SYN dropped: timeout
+        finally:
+            for proc in servers:
+                proc.kill()
+                proc.wait(timeout=5)

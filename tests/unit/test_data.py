@@ -46,7 +46,7 @@ def test_text_folder_and_token_file(tmp_path):
 
 
 def test_bad_data_configs(tmp_path):
-    with pytest.raises(ValueError, match="needs a path"):
+    with pytest.raises(ValueError, match="needs --data-path"):
         DataConfig(kind="tokens")
     with pytest.raises(ValueError, match="unknown dataset"):
         DataConfig(kind="imagenet")

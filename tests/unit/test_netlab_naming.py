@@ -6,7 +6,7 @@ import pytest
 
 from swarm.netlab import NetLabError, check_available, naming, system
 
-LAB_RANGE = ipaddress.IPv4Network("198.18.0.0/15")
+LAB_RANGE = ipaddress.IPv4Network("100.64.0.0/15")
 
 
 @pytest.mark.parametrize("run_id", ["a", "demo", "x" * 200, "run with spaces/and:colons", "ünïcode"])

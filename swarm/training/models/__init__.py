@@ -6,17 +6,18 @@ A model spec is a small JSON-able dict (it travels in the run config record on t
 - {"kind": "identity", "dim": N}: stages that return their input (the last: the mean square as a
   per-sample loss); no compute, for measuring the wire path (scripts/bench_wire.py)
 - {"kind": "custom", "factory": "package.module:build_stages", "kwargs": {...}, "seed": 0,
-   "input_dtype": "float32", "input_shape": [...]}: build_stages(num_stages=S, **kwargs) returns the
+   "input_dtype": "float32", "input_shape": [...], "input_range": [lo, hi], "targets_dtype": "int64",
+   "targets_shape": [...], "targets_range": [lo, hi]}: build_stages(num_stages=S, **kwargs) returns the
   list of S stage modules. Stage k < S-1 maps its input to the next stage's input; the last stage is
   called as stage(x, targets) and returns the per-sample loss (shape [batch]) or the mean loss (a
-  scalar). `input_shape` is stage 0's input without the batch dimension.
+  scalar). Shapes are per sample (no batch dimension). `--custom-model` fills these keys from the
+  module's SWARM declaration (models/custom.py).
 
 Every stage comes with a `StageSchema`, checked against each request before any compute.
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, fields
 
 import torch
@@ -24,6 +25,7 @@ from torch import nn
 
 from swarm.core.checks import all_finite
 from swarm.core.errors import RequestInvalid
+from swarm.training.models.custom import build_custom_stages, load_factory, trace_input, value_range
 from swarm.training.models.gpt import GPT, GPTConfig, build_gpt_stage
 from swarm.training.models.mlp import MLPConfig, MLPStage, build_mlp_stage
 
@@ -161,41 +163,16 @@ class IdentityStage(nn.Module):
         return x if not torch.is_grad_enabled() else x * self.scale
 
 
-def load_factory(path: str):
-    module_name, _, attr = path.partition(":")
-    try:
-        return getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"cannot import model factory {path!r}: {e}") from e
-
-
 def _build_custom_stage(spec: dict, stage: int, num_stages: int) -> BuiltStage:
-    factory = load_factory(spec["factory"])
-    kwargs = dict(spec.get("kwargs", {}))
-    torch.manual_seed(int(spec.get("seed", 0)))
-    stages = factory(num_stages=num_stages, **kwargs)
-    if len(stages) != num_stages:
-        raise ValueError(f"{spec['factory']} returned {len(stages)} stages, expected {num_stages}")
-    # Trace a sample input through the earlier stages on the meta device to learn this stage's input.
-    dtype = getattr(torch, spec.get("input_dtype", "float32"))
-    shape = tuple(spec.get("input_shape", ()))
-    x = torch.empty((2, *shape), dtype=dtype, device="meta")
-    with torch.no_grad():
-        for k in range(stage):
-            meta_stage = _meta_copy(stages[k])
-            x = meta_stage(x)
-    inp = TensorSchema(x.dtype, tuple(x.shape[1:]))
-    targets_dtype = getattr(torch, spec.get("targets_dtype", "int64"))
-    targets = TensorSchema(targets_dtype, tuple(spec.get("targets_shape", ()))) if stage == num_stages - 1 else None
-    schema = StageSchema(inp, targets, stage == 0, stage == num_stages - 1)
-    return BuiltStage(stages[stage], schema, stage, num_stages)
-
-
-def _meta_copy(module: nn.Module) -> nn.Module:
-    import copy
-
-    clone = copy.deepcopy(module)
-    return clone.to("meta")
+    stages = build_custom_stages(spec, num_stages)
+    x = trace_input(stages, spec, stage)
+    first, last = stage == 0, stage == num_stages - 1
+    inp = TensorSchema(x.dtype, tuple(x.shape[1:]), (), value_range(spec, "input") if first else None)
+    targets = None
+    if last:
+        dtype = getattr(torch, spec.get("targets_dtype", "int64"))
+        targets = TensorSchema(dtype, tuple(spec.get("targets_shape", ())), (), value_range(spec, "targets"))
+    return BuiltStage(stages[stage], StageSchema(inp, targets, first, last), stage, num_stages)
 
 
 def stage_costs(spec: dict, num_stages: int) -> list[float] | None:
@@ -246,5 +223,6 @@ __all__ = [
     "TensorSchema",
     "build_stage",
     "build_full_model",
+    "load_factory",
     "validate_spec",
 ]
