@@ -147,3 +147,24 @@ def test_local_checks_before_starting_anything(case, tmp_path):
     assert_one_line_error(rc, err, *words)
     assert not list(Path(logs).glob("*.log")), "a process was started"
     assert seconds < 30
+
+
+def test_a_custom_model_from_the_dht_is_not_imported_without_allow_model(tmp_path):
+    """The run config names a custom factory: a peer (or trainer) whose operator did not allow it refuses
+    to import it (the DHT never makes a process run code) and says which flag allows it."""
+    examples = str(Path(__file__).resolve().parents[2] / "examples")
+    argv = [
+        sys.executable, "-m", "swarm.cli", "coordinator", "--run-id", "custom-run", "--stages", "2",
+        "--custom-model", "tiny_mlp:build_stages", "--custom-model-path", examples,
+    ]  # fmt: skip
+    proc = ManagedProcess("coordinator", argv, tmp_path / "coordinator.log")
+    try:
+        address = proc.wait_ready(60)["initial_peers"][0]
+        for role in ("peer", "trainer"):
+            rc, err, _ = swarm_cmd(
+                role, "--run-id", "custom-run", "--initial-peers", address, "--custom-model-path", examples
+            )
+            assert_one_line_error(rc, err, "tiny_mlp:build_stages", "--allow-model tiny_mlp:build_stages")
+    finally:
+        proc.stop()
+        assert_all_reaped([proc.pgid])
