@@ -20,10 +20,12 @@ CALL_KEY = "swarm-call"
 
 
 class MemberCredentials:
-    """A member's key and its current certificate (replaced when renewed, from another thread)."""
+    """A member's key and its current certificate (replaced when renewed, from another thread), and
+    the run's CA when its gRPC is over TLS (swarm.wire.tls)."""
 
-    def __init__(self, key: SigningKey, certificate: str = "") -> None:
+    def __init__(self, key: SigningKey, certificate: str = "", tls_ca: bytes | None = None) -> None:
         self.key = key
+        self.tls_ca = tls_ca
         self._certificate = certificate
         self._lock = threading.Lock()
 
