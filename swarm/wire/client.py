@@ -8,7 +8,7 @@ import grpc
 from google.protobuf.message import Message
 
 from swarm.wire import stream
-from swarm.wire.auth import ClientAuth, MemberCredentials
+from swarm.wire.auth import MemberCredentials, client_auth
 from swarm.wire.messages import parse
 from swarm.wire.options import MiB, channel_options
 from swarm.wire.protocol import pb
@@ -35,7 +35,7 @@ class StageClient:
         self.stream_threshold = stream_threshold
         # in a private swarm every call carries the member's certificate and signature, over TLS
         # (trusting only the run's CA) unless the run chose plaintext
-        interceptors = [ClientAuth(credentials)] if credentials is not None else None
+        interceptors = client_auth(credentials) if credentials is not None else None
         options = channel_options(max_message_bytes)
         if credentials is not None and credentials.tls_ca:
             tls = channel_credentials(credentials.tls_ca)
