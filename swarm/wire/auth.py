@@ -20,10 +20,12 @@ CALL_KEY = "swarm-call"
 
 
 class MemberCredentials:
-    """A member's key and its current certificate (replaced when renewed, from another thread)."""
+    """A member's key and its current certificate (replaced when renewed, from another thread), and
+    the run's CA when its gRPC is over TLS (swarm.wire.tls)."""
 
-    def __init__(self, key: SigningKey, certificate: str = "") -> None:
+    def __init__(self, key: SigningKey, certificate: str = "", tls_ca: bytes | None = None) -> None:
         self.key = key
+        self.tls_ca = tls_ca
         self._certificate = certificate
         self._lock = threading.Lock()
 
@@ -48,10 +50,8 @@ def _method(details) -> str:
     return method.decode() if isinstance(method, bytes) else method
 
 
-class ClientAuth(
-    grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor, grpc.aio.StreamStreamClientInterceptor
-):
-    """Signs every call of a channel with the member's credentials."""
+class _Signer:
+    """Puts the member's credentials on a call's metadata."""
 
     def __init__(self, credentials: MemberCredentials) -> None:
         self.credentials = credentials
@@ -62,14 +62,34 @@ class ClientAuth(
             details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
         )
 
+
+class _UnaryUnaryAuth(_Signer, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, client_call_details, request):
         return await continuation(self._details(client_call_details), request)
 
+
+class _UnaryStreamAuth(_Signer, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, client_call_details, request):
         return await continuation(self._details(client_call_details), request)
 
+
+class _StreamUnaryAuth(_Signer, grpc.aio.StreamUnaryClientInterceptor):
+    async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+        return await continuation(self._details(client_call_details), request_iterator)
+
+
+class _StreamStreamAuth(_Signer, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
         return await continuation(self._details(client_call_details), request_iterator)
+
+
+def client_auth(credentials: MemberCredentials) -> list[grpc.aio.ClientInterceptor]:
+    """Interceptors that sign every call of a channel with the member's credentials: one per call
+    shape, because grpc.aio files an interceptor under the first shape it implements only (an
+    if/elif in grpc.aio's channel): one class implementing all four signed unary-unary calls alone,
+    and streams (GetState, GetLedger, GetPartialGradient, ForwardStream, BackwardStream) went out
+    without a proof."""
+    return [cls(credentials) for cls in (_UnaryUnaryAuth, _UnaryStreamAuth, _StreamUnaryAuth, _StreamStreamAuth)]
 
 
 def proof_of(metadata) -> CallProof:
