@@ -4,6 +4,7 @@ a fresh signature on every call, and a server interceptor that refuses any call 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import threading
@@ -17,6 +18,9 @@ logger = logging.getLogger(__name__)
 
 CERT_KEY = "swarm-cert"
 CALL_KEY = "swarm-call"
+# a refused streaming call: how long and how many messages the server reads before answering (see _drain)
+DENY_DRAIN_S = 1.0
+DENY_DRAIN_MESSAGES = 8
 
 
 class MemberCredentials:
@@ -113,13 +117,36 @@ def _deny(handler: grpc.RpcMethodHandler, why: str) -> grpc.RpcMethodHandler:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
         yield b""  # pragma: no cover - abort raises
 
+    async def unary_in(requests, context):
+        await _drain(requests)
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
+
+    async def streaming_in(requests, context):
+        await _drain(requests)
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
+        yield b""  # pragma: no cover - abort raises
+
     if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(streaming)
+        return grpc.stream_stream_rpc_method_handler(streaming_in)
     if handler.response_streaming:
         return grpc.unary_stream_rpc_method_handler(streaming)
     if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(unary)
+        return grpc.stream_unary_rpc_method_handler(unary_in)
     return grpc.unary_unary_rpc_method_handler(unary)
+
+
+async def _drain(requests) -> None:
+    """Read what a refused client is still sending, a little of it and briefly: a status sent while the
+    client's request stream is open can reach it as INTERNAL (the stream reset) instead of UNAUTHENTICATED."""
+    try:
+        async with asyncio.timeout(DENY_DRAIN_S):
+            count = 0
+            async for _ in requests:
+                count += 1
+                if count >= DENY_DRAIN_MESSAGES:
+                    return
+    except (TimeoutError, grpc.RpcError):
+        return
 
 
 class ServerAuth(grpc.aio.ServerInterceptor):
