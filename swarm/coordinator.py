@@ -7,6 +7,7 @@ re-publish the run config they hold when its record disappears).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -19,6 +20,7 @@ from swarm.core.keys import SigningKey
 from swarm.core.log import set_context
 from swarm.core.procs import READY_PREFIX
 from swarm.core.settings import setting
+from swarm.core.tls import RunCA
 from swarm.dashboard.live import DashboardConfig, LiveDashboard
 from swarm.dht.announcer import Announcer
 from swarm.dht.node import SwarmDHT
@@ -49,6 +51,10 @@ class CoordinatorConfig:
     )
     allowlist: str | None = setting(None, "private: also admit the member keys in this file (base64, one a line)")
     authority_port: int = setting(0, "private: port of the admission service (0: any free port)")
+    tls: bool = setting(
+        True, "private: the peers' gRPC and the admission over TLS, under a CA derived from the run key (--no-tls: "
+        "plaintext; the calls are still authenticated)",
+    )  # fmt: skip
     run_key_path: str | None = setting(
         None,
         "the run's private key (created there if missing; keep it to restart the coordinator of the same run); "
@@ -70,8 +76,22 @@ def _publish_maddrs(dht: SwarmDHT, announce_host: str | None, maddrs_file: str |
     return maddrs
 
 
+async def _start_authority(run: RunConfig, cfg: CoordinatorConfig, key: SigningKey, ca: RunCA | None, dht: SwarmDHT):
+    """A private swarm's admission service, and the coordinator's own membership (its dashboard)."""
+    invite_file = cfg.invite_file or f"{run.run_id}.invite.json"
+    authority, _ = await serve_authority(
+        run.run_id, key, cfg.host, cfg.announce_host, cfg.authority_port, invite_file, cfg.allowlist, ca=ca
+    )
+    credentials = self_credentials(key, run.run_id, dht, tls_ca=ca.pem if ca is not None else None)
+    tls = f"gRPC over TLS (CA {ca.fingerprint})" if ca is not None else "plaintext gRPC (--no-tls)"
+    logger.info("private swarm, %s: members join with --invite %s", tls, invite_file)
+    return authority, credentials
+
+
 async def run_coordinator(run: RunConfig, cfg: CoordinatorConfig) -> int:
     key = SigningKey.load_or_create(cfg.run_key_path) if cfg.run_key_path else SigningKey.generate()
+    ca = RunCA.derive(key) if run.private and cfg.tls else None  # the same run key: the same CA
+    run = dataclasses.replace(run, tls_ca=ca.fingerprint if ca is not None else "")
     text = SignedConfig.sign(run, key).to_text()  # validates the config's size before anything starts
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -88,12 +108,7 @@ async def run_coordinator(run: RunConfig, cfg: CoordinatorConfig) -> int:
     dashboard = authority = credentials = None
     try:
         if run.private:
-            invite_file = cfg.invite_file or f"{run.run_id}.invite.json"
-            authority, _ = await serve_authority(
-                run.run_id, key, host, announce_host, cfg.authority_port, invite_file, cfg.allowlist
-            )
-            credentials = self_credentials(key, run.run_id, dht)
-            logger.info("private swarm: members join with --invite %s", invite_file)
+            authority, credentials = await _start_authority(run, cfg, key, ca, dht)
         maddrs = _publish_maddrs(dht, announce_host, cfg.maddrs_file)
         if cfg.dashboard_port is not None:  # the same DHT node feeds it (created on this thread)
             dashboard = LiveDashboard(
@@ -110,6 +125,8 @@ async def run_coordinator(run: RunConfig, cfg: CoordinatorConfig) -> int:
         }
         if dashboard is not None:
             ready["dashboard"] = dashboard.url
+        if ca is not None:
+            ready["tls_ca"] = ca.fingerprint
         if run.private:
             ready["invite_file"] = os.path.abspath(cfg.invite_file or f"{run.run_id}.invite.json")
         print(READY_PREFIX + json.dumps(ready), flush=True)

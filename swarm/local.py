@@ -70,6 +70,7 @@ class LocalOptions:
     )
     env: dict[str, str] = setting(factory=dict, help="extra environment for every process", cli=False)
     private: bool = setting(False, "a private swarm: every process joins with the coordinator's invitation")
+    tls: bool = setting(True, "private: the gRPC over TLS (--no-tls: plaintext, still authenticated)")
 
     def layout(self) -> list[int]:
         layout = self.stage_layout or [self.peers_per_stage] * self.stages
@@ -181,7 +182,8 @@ class LocalSwarm:
                 "coordinator", "--run-id", self.run_id, "--stages", str(self.opts.stages),
                 "--host", self._ip("coordinator", "coordinator"),
                 "--num-trainers", str(self.opts.trainers), "--run-key-path", str(self.log_dir / "run.key"),
-                *(["--private", "--invite-file", self.invite] if self.invite else []), *self.opts.run_args,
+                *(["--private", "--invite-file", self.invite] if self.invite else []),
+                *([] if self.opts.tls else ["--no-tls"]), *self.opts.run_args,
             )  # fmt: skip
         argv = self.coordinator_argv + (["--initial-peers", *join] if join else [])
         if self.coordinator is not None:

@@ -69,6 +69,7 @@ async def collect_status(
         return {
             "run_id": run_id,
             "security": "private" if run.private else "open",
+            "tls": bool(run.tls_ca),
             "step": view.global_step(),
             "stages": stages,
             "bottleneck": bottleneck,
@@ -82,7 +83,8 @@ async def collect_status(
 
 def print_status(status: dict, out=sys.stdout) -> None:
     print(
-        f"run {status['run_id']} ({status.get('security', 'open')} swarm)  step {status['step']}  "
+        f"run {status['run_id']} ({status.get('security', 'open')} swarm{', TLS' if status.get('tls') else ''})  "
+        f"step {status['step']}  "
         f"swarm throughput {status['swarm_throughput']:.1f} samples/s",
         file=out,
     )

@@ -45,7 +45,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         run = build_run_config(args, args.run_id or f"run-{uuid.uuid4().hex[:8]}", args.stages, args.num_trainers)
     cfg = from_args(CoordinatorConfig, args)
     if cfg.private != run.private:  # the flag decides; a --config-json's own field is overridden
-        run = dataclasses.replace(run, private=cfg.private)
+        run = dataclasses.replace(run, private=cfg.private, tls_ca="")  # the coordinator sets tls_ca
     check_port_free(cfg.host, cfg.port, "--port")
     if cfg.maddrs_file:
         check_writable_dir(os.path.dirname(os.path.abspath(cfg.maddrs_file)), "--maddrs-file's folder")

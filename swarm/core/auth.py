@@ -11,6 +11,7 @@ the authority service and the DHT record filter (swarm.cluster.authority) use it
 from __future__ import annotations
 
 import collections
+import hashlib
 import hmac
 import json
 import os
@@ -97,8 +98,13 @@ def new_token() -> str:
     return b64(os.urandom(24))
 
 
-def admission_message(run_id: str, member: bytes, dht_owner: bytes, role: str, ts: float) -> bytes:
-    return f"admit|{run_id}|{b64(member)}|{b64(dht_owner)}|{role}|{ts:.3f}".encode()
+def admission_message(
+    run_id: str, member: bytes, dht_owner: bytes, role: str, ts: float, tls_key: bytes = b""
+) -> bytes:
+    """What a member signs (and MACs with the invitation token) to be admitted; a peer's TLS key is
+    in it, so nobody on the way can swap in their own key for the run's CA to certify."""
+    tls = hashlib.sha256(tls_key).hexdigest() if tls_key else "-"
+    return f"admit|{run_id}|{b64(member)}|{b64(dht_owner)}|{role}|{ts:.3f}|{tls}".encode()
 
 
 def token_mac(token: str, message: bytes) -> bytes:

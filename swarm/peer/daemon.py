@@ -113,7 +113,8 @@ class Peer:
             stream_read_timeout_s=cfg.stream_read_timeout_s,
         )
         service = StageService(self.serving, limits)
-        self.server, port = await start_server(service, cfg.host, cfg.port, limits, verifier)
+        server_tls = self.keeper.server_tls if self.keeper is not None else None
+        self.server, port = await start_server(service, cfg.host, cfg.port, limits, verifier, server_tls)
         self.view = SwarmView(self.dht, run.num_stages, self.clients, exclude_peer=self.dht.peer_id)
         self.records = PeerRecords(self.dht, self.serving, self.device.type, cfg.announce_period_s, cfg.record_ttl_s)
         self.records.address = f"{cfg.announce_host or cfg.host}:{port}"

@@ -45,6 +45,7 @@ from swarm.wire.options import server_options
 from swarm.wire.protocol import pb
 from swarm.wire.stream import PARTS_KEY, RESPONSE_KEY
 from swarm.wire.tensors import split_samples
+from swarm.wire.tls import ServerTls
 
 logger = logging.getLogger(__name__)
 
@@ -316,15 +317,22 @@ class StageService:
 
 
 async def start_server(
-    service: StageService, host: str, port: int, limits: Limits, verifier: Verifier | None = None
+    service: StageService,
+    host: str,
+    port: int,
+    limits: Limits,
+    verifier: Verifier | None = None,
+    tls: ServerTls | None = None,
 ) -> tuple[grpc.aio.Server, int]:
-    """Serve `service` (in a private swarm, `verifier` checks every call's membership first)."""
+    """Serve `service` (in a private swarm, `verifier` checks every call's membership first, and
+    `tls` is its server certificate unless the run chose plaintext)."""
     # no gRPC-wide cap on concurrent calls: Info must always get through (a dashboard, the trainers'
     # views); Forward/Backward/streams/GetState have their own bounds (swarm.peer.admission)
     interceptors = [ServerAuth(verifier)] if verifier is not None else None
     server = grpc.aio.server(options=server_options(limits.max_message_bytes), interceptors=interceptors)
     server.add_generic_rpc_handlers((service.handler(),))
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, tls.credentials()) if tls else server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
     await server.start()

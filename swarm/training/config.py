@@ -113,6 +113,10 @@ class RunConfig:
     private: bool = setting(
         False, "a private swarm: only members the coordinator admitted may call peers or write records", cli=False
     )
+    tls_ca: str = setting(
+        "", "a private swarm's gRPC is over TLS under the CA whose public key has this SHA-256 (empty: plaintext)",
+        cli=False,
+    )  # fmt: skip
     version: str = setting(__version__, "the swarm version that wrote it", cli=False)
 
     def __post_init__(self) -> None:
@@ -143,6 +147,8 @@ class RunConfig:
             raise ValueError(f"ahead_after must be a share in [0, 1], got {self.ahead_after!r}")
         if not isinstance(self.predict_params, bool):
             raise ValueError(f"predict_params must be true or false, got {self.predict_params!r}")
+        if self.tls_ca and not self.private:
+            raise ValueError("tls_ca is for private swarms: TLS is chained to the run's authority")
 
     @property
     def exact(self) -> bool:

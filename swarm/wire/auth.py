@@ -4,6 +4,7 @@ a fresh signature on every call, and a server interceptor that refuses any call 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import threading
@@ -17,13 +18,18 @@ logger = logging.getLogger(__name__)
 
 CERT_KEY = "swarm-cert"
 CALL_KEY = "swarm-call"
+# a refused streaming call: how long and how many messages the server reads before answering (see _drain)
+DENY_DRAIN_S = 1.0
+DENY_DRAIN_MESSAGES = 8
 
 
 class MemberCredentials:
-    """A member's key and its current certificate (replaced when renewed, from another thread)."""
+    """A member's key and its current certificate (replaced when renewed, from another thread), and
+    the run's CA when its gRPC is over TLS (swarm.wire.tls)."""
 
-    def __init__(self, key: SigningKey, certificate: str = "") -> None:
+    def __init__(self, key: SigningKey, certificate: str = "", tls_ca: bytes | None = None) -> None:
         self.key = key
+        self.tls_ca = tls_ca
         self._certificate = certificate
         self._lock = threading.Lock()
 
@@ -48,10 +54,8 @@ def _method(details) -> str:
     return method.decode() if isinstance(method, bytes) else method
 
 
-class ClientAuth(
-    grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor, grpc.aio.StreamStreamClientInterceptor
-):
-    """Signs every call of a channel with the member's credentials."""
+class _Signer:
+    """Puts the member's credentials on a call's metadata."""
 
     def __init__(self, credentials: MemberCredentials) -> None:
         self.credentials = credentials
@@ -62,14 +66,34 @@ class ClientAuth(
             details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
         )
 
+
+class _UnaryUnaryAuth(_Signer, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, client_call_details, request):
         return await continuation(self._details(client_call_details), request)
 
+
+class _UnaryStreamAuth(_Signer, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, client_call_details, request):
         return await continuation(self._details(client_call_details), request)
 
+
+class _StreamUnaryAuth(_Signer, grpc.aio.StreamUnaryClientInterceptor):
+    async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+        return await continuation(self._details(client_call_details), request_iterator)
+
+
+class _StreamStreamAuth(_Signer, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
         return await continuation(self._details(client_call_details), request_iterator)
+
+
+def client_auth(credentials: MemberCredentials) -> list[grpc.aio.ClientInterceptor]:
+    """Interceptors that sign every call of a channel with the member's credentials: one per call
+    shape, because grpc.aio files an interceptor under the first shape it implements only (an
+    if/elif in grpc.aio's channel): one class implementing all four signed unary-unary calls alone,
+    and streams (GetState, GetLedger, GetPartialGradient, ForwardStream, BackwardStream) went out
+    without a proof."""
+    return [cls(credentials) for cls in (_UnaryUnaryAuth, _UnaryStreamAuth, _StreamUnaryAuth, _StreamStreamAuth)]
 
 
 def proof_of(metadata) -> CallProof:
@@ -93,13 +117,36 @@ def _deny(handler: grpc.RpcMethodHandler, why: str) -> grpc.RpcMethodHandler:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
         yield b""  # pragma: no cover - abort raises
 
+    async def unary_in(requests, context):
+        await _drain(requests)
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
+
+    async def streaming_in(requests, context):
+        await _drain(requests)
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
+        yield b""  # pragma: no cover - abort raises
+
     if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(streaming)
+        return grpc.stream_stream_rpc_method_handler(streaming_in)
     if handler.response_streaming:
         return grpc.unary_stream_rpc_method_handler(streaming)
     if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(unary)
+        return grpc.stream_unary_rpc_method_handler(unary_in)
     return grpc.unary_unary_rpc_method_handler(unary)
+
+
+async def _drain(requests) -> None:
+    """Read what a refused client is still sending, a little of it and briefly: a status sent while the
+    client's request stream is open can reach it as INTERNAL (the stream reset) instead of UNAUTHENTICATED."""
+    try:
+        async with asyncio.timeout(DENY_DRAIN_S):
+            count = 0
+            async for _ in requests:
+                count += 1
+                if count >= DENY_DRAIN_MESSAGES:
+                    return
+    except (TimeoutError, grpc.RpcError):
+        return
 
 
 class ServerAuth(grpc.aio.ServerInterceptor):

@@ -8,11 +8,12 @@ import grpc
 from google.protobuf.message import Message
 
 from swarm.wire import stream
-from swarm.wire.auth import ClientAuth, MemberCredentials
+from swarm.wire.auth import MemberCredentials, client_auth
 from swarm.wire.messages import parse
 from swarm.wire.options import MiB, channel_options
 from swarm.wire.protocol import pb
 from swarm.wire.tensors import WireTensor
+from swarm.wire.tls import CHANNEL_OPTIONS, channel_credentials
 
 # Requests with more tensor bytes than this are streamed part by part (a trainer's
 # --stream-threshold-kb changes it, e.g. 0 to stream everything in tests).
@@ -32,11 +33,17 @@ class StageClient:
         self.address = address
         self.max_message_bytes = max_message_bytes
         self.stream_threshold = stream_threshold
-        # in a private swarm every call carries the member's certificate and signature
-        interceptors = [ClientAuth(credentials)] if credentials is not None else None
-        self.channel = grpc.aio.insecure_channel(
-            address, options=channel_options(max_message_bytes), interceptors=interceptors
-        )
+        # in a private swarm every call carries the member's certificate and signature, over TLS
+        # (trusting only the run's CA) unless the run chose plaintext
+        interceptors = client_auth(credentials) if credentials is not None else None
+        options = channel_options(max_message_bytes)
+        if credentials is not None and credentials.tls_ca:
+            tls = channel_credentials(credentials.tls_ca)
+            self.channel = grpc.aio.secure_channel(
+                address, tls, options=options + CHANNEL_OPTIONS, interceptors=interceptors
+            )
+        else:
+            self.channel = grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
         ser = lambda m: m.SerializeToString()  # noqa: E731
         self._info = self.channel.unary_unary(
             "/swarm.Stage/Info", request_serializer=ser, response_deserializer=pb.InfoResponse.FromString

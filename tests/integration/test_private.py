@@ -3,26 +3,37 @@ member's valid proof (none, a stranger-signed certificate, an expired one, a rep
 UNAUTHENTICATED; records written to the DHT by a non-member (or with a member's copied certificate)
 are ignored by tools and trainers; a second coordinator publishing its own config for the same run id
 is ignored by processes given --run-key; uninvited processes end with one line and exit code 2; and
-the members train."""
+the members train. Its gRPC is over TLS (the default of a private swarm): a plaintext client and one
+trusting another CA fail the handshake, a peer's served certificate chains to the CA the signed config
+pins, and a peer given a CA that is not the run's ends with one line and exit code 2."""
 
 import asyncio
+import dataclasses
+import datetime
+import socket
+import ssl
 import subprocess
 import sys
 
 import grpc
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 
 from swarm.cluster.authority import Invitation, request_certificate
 from swarm.core.auth import issue
 from swarm.core.keys import SigningKey
 from swarm.core.procs import ManagedProcess
 from swarm.core.states import PeerState
+from swarm.core.tls import TLS_NAME, RunCA, check_ca, check_leaf, derive_ca_key, key_fingerprint
 from swarm.dht.node import SwarmDHT
 from swarm.dht.records import PeerRecord
 from swarm.local import LocalOptions, LocalSwarm
 from swarm.status import collect_status
 from swarm.wire.auth import MemberCredentials
+from swarm.wire.client import StageClient
 from swarm.wire.protocol import pb
+from swarm.wire.tls import CHANNEL_OPTIONS, channel_credentials
 from tests.integration.helpers import assert_all_reaped, run_args
 
 STEPS = 6
@@ -51,10 +62,19 @@ def run_key(swarm) -> SigningKey:
 
 
 def admitted(swarm) -> MemberCredentials:
-    """A member admitted the way every process is: proving the invitation to the coordinator."""
+    """A member admitted the way every process is: proving the invitation to the coordinator (over
+    TLS: the invitation carries the run's CA, which the answer repeats for the member to trust)."""
     key = SigningKey.generate()
-    cert, _ = request_certificate(Invitation.read(swarm.invite), key, b"test-observer", "observer")
-    return MemberCredentials(key, cert)
+    admission = request_certificate(Invitation.read(swarm.invite), key, b"test-observer", "observer")
+    assert admission.tls_ca, "a private swarm's gRPC is over TLS by default"
+    return MemberCredentials(key, admission.certificate, admission.tls_ca)
+
+
+def open_channel(address: str, tls_ca: bytes | None) -> grpc.aio.Channel:
+    """A channel as members open them (TLS trusting `tls_ca`), or a plaintext one."""
+    if tls_ca is None:
+        return grpc.aio.insecure_channel(address)
+    return grpc.aio.secure_channel(address, channel_credentials(tls_ca), options=CHANNEL_OPTIONS)
 
 
 def empty_request(method: str) -> bytes:
@@ -64,10 +84,10 @@ def empty_request(method: str) -> bytes:
     return b""
 
 
-async def call(address: str, method: str, metadata) -> grpc.StatusCode:
+async def call(address: str, method: str, metadata, tls_ca: bytes | None) -> grpc.StatusCode:
     path = f"/swarm.Stage/{method}"
     descriptor = pb.DESCRIPTOR.services_by_name["Stage"].methods_by_name[method]
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with open_channel(address, tls_ca) as channel:
         try:
             if descriptor.client_streaming:
                 stub = channel.stream_stream(path)
@@ -96,22 +116,23 @@ def test_every_rpc_refuses_non_members(swarm):
         member_key, issue(run_key(swarm), "another-run", member_key.public, b"x", "peer", 600.0).encode()
     )
     member = admitted(swarm)
+    ca = member.tls_ca  # the transport is fine: the membership proof is what is refused
 
     async def go():
         codes = {}
         for method in STAGE_METHODS:
             path = f"/swarm.Stage/{method}"
             replayed = member.metadata(path)
-            await call(address, method, replayed)  # the first use of this proof is allowed
+            await call(address, method, replayed, ca)  # the first use of this proof is allowed
             codes[method] = {
-                "none": await call(address, method, None),
-                "stranger": await call(address, method, stranger.metadata(path)),
-                "expired": await call(address, method, expired.metadata(path)),
-                "other run": await call(address, method, other_run.metadata(path)),
-                "replayed": await call(address, method, replayed),
-                "signed for another method": await call(address, method, member.metadata("/swarm.Stage/Info")),
+                "none": await call(address, method, None, ca),
+                "stranger": await call(address, method, stranger.metadata(path), ca),
+                "expired": await call(address, method, expired.metadata(path), ca),
+                "other run": await call(address, method, other_run.metadata(path), ca),
+                "replayed": await call(address, method, replayed, ca),
+                "signed for another method": await call(address, method, member.metadata("/swarm.Stage/Info"), ca),
             }
-        codes["member Info"] = await call(address, "Info", member.metadata("/swarm.Stage/Info"))
+        codes["member Info"] = await call(address, "Info", member.metadata("/swarm.Stage/Info"), ca)
         return codes
 
     codes = asyncio.run(go())
@@ -200,9 +221,80 @@ def test_uninvited_processes_end_with_one_clear_line(swarm, tmp_path):
     assert "--invite" in uninvited.stderr.strip().splitlines()[-1]
 
     real = Invitation.read(swarm.invite)
-    forged = Invitation(real.run_id, real.run_key, real.authority, "a guessed token")
+    forged = dataclasses.replace(real, token="a guessed token")
     forged.write(tmp_path / "forged.json")
     refused = join_as_peer(swarm, invite=tmp_path / "forged.json")
     assert refused.returncode == 2
     assert "did not admit" in refused.stderr.strip().splitlines()[-1]
     assert "not invited" in refused.stderr.strip().splitlines()[-1]
+
+
+# ---- the transport: TLS under the run's CA ----
+
+
+def test_a_plaintext_client_or_one_trusting_another_ca_is_not_served(swarm):
+    address = swarm.peers[0].ready["address"]
+    member = admitted(swarm)
+    strangers_ca = RunCA.derive(SigningKey.generate()).pem
+
+    async def info(credentials: MemberCredentials) -> str:
+        client = StageClient(address, credentials=credentials)
+        try:
+            await client.info(timeout=10)
+            return "OK"
+        except grpc.aio.AioRpcError as e:
+            return f"{e.code().name}: {e.details()}"
+        finally:
+            await client.close()
+
+    async def go():
+        return {
+            "member": await info(member),
+            "plaintext": await call(address, "Info", member.metadata("/swarm.Stage/Info"), None),
+            "another CA": await info(MemberCredentials(member.key, member.certificate, strangers_ca)),
+        }
+
+    codes = asyncio.run(go())
+    assert codes["member"] == "OK"
+    assert codes["plaintext"] == grpc.StatusCode.UNAVAILABLE  # the server speaks only TLS
+    assert codes["another CA"].startswith("UNAVAILABLE") and "handshake" in codes["another CA"].lower()
+
+
+def served_certificate(address: str, ca_pem: bytes) -> bytes:
+    """The certificate a peer serves, read with Python's own TLS stack (OpenSSL, not gRPC's
+    BoringSSL), which checks the chain to `ca_pem` and the members' name."""
+    host, port = address.rsplit(":", 1)
+    context = ssl.create_default_context(cadata=ca_pem.decode())
+    context.set_alpn_protocols(["h2"])
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        with context.wrap_socket(sock, server_hostname=TLS_NAME) as tls:
+            return ssl.DER_cert_to_PEM_cert(tls.getpeercert(binary_form=True)).encode()
+
+
+def test_a_peers_certificate_chains_to_the_ca_the_run_key_pins(swarm):
+    pinned = swarm.coordinator.ready["tls_ca"]
+    assert pinned == key_fingerprint(derive_ca_key(run_key(swarm)).public_key())  # derived from the run key
+    ca = check_ca(Invitation.read(swarm.invite).tls_ca, pinned)
+    for peer in swarm.peers:
+        pem = served_certificate(peer.ready["address"], ca)
+        leaf = x509.load_pem_x509_certificate(pem)
+        own = leaf.public_key().public_bytes(
+            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+        check_leaf(pem, ca, own)  # signed by the run's CA, names the members, current
+        assert leaf.subject.rfc4514_string().startswith("CN=sha256:")  # the member's key fingerprint
+        assert leaf.not_valid_after_utc - leaf.not_valid_before_utc <= datetime.timedelta(days=8)
+
+
+def test_a_peer_whose_tls_setup_fails_ends_with_one_clear_line(swarm, tmp_path):
+    real = Invitation.read(swarm.invite)
+    another_ca = dataclasses.replace(real, tls_ca=RunCA.derive(SigningKey.generate()).pem.decode())
+    another_ca.write(tmp_path / "another-ca.json")
+    refused = join_as_peer(swarm, invite=tmp_path / "another-ca.json")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
+    assert "TLS" in refused.stderr.strip().splitlines()[-1] and "not the run's" in refused.stderr
+
+    dataclasses.replace(real, tls_ca="").write(tmp_path / "no-ca.json")
+    refused = join_as_peer(swarm, invite=tmp_path / "no-ca.json")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
+    assert "has no TLS CA" in refused.stderr.strip().splitlines()[-1]

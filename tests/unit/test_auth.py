@@ -1,7 +1,9 @@
 """Membership checks of a private swarm (swarm.core.auth): certificates, call proofs, replays."""
 
+import asyncio
 import time
 
+import grpc
 import pytest
 
 from swarm.cluster.authority import AuthorityService, member_filter
@@ -16,7 +18,7 @@ from swarm.core.auth import (
     token_mac,
 )
 from swarm.core.keys import SigningKey
-from swarm.wire.auth import MemberCredentials, proof_of
+from swarm.wire.auth import MemberCredentials, ServerAuth, client_auth, proof_of
 from swarm.wire.protocol import pb
 
 RUN = "run-a"
@@ -135,3 +137,41 @@ def test_the_authority_admits_invited_or_allowlisted_members_only(run_key):
     forged.member = SigningKey.generate().public  # someone else's key, not signed by it
     with pytest.raises(AuthError, match="not signed"):
         service._check(forged)
+
+
+def test_a_members_channel_signs_calls_of_every_shape(run_key):
+    """Unary and streaming calls alike carry the proof through a real server's check (grpc.aio files
+    a client interceptor under one call shape only: a single all-shapes class signed unary calls alone)."""
+    member, cert = member_cert(run_key)
+    credentials = MemberCredentials(member, cert.encode())
+
+    async def unary(request, context):
+        return b"ok"
+
+    async def streaming(request_or_iterator, context):
+        yield b"ok"
+
+    handlers = {
+        "UU": grpc.unary_unary_rpc_method_handler(unary),
+        "US": grpc.unary_stream_rpc_method_handler(streaming),
+        "SU": grpc.stream_unary_rpc_method_handler(unary),
+        "SS": grpc.stream_stream_rpc_method_handler(streaming),
+    }
+
+    async def go():
+        server = grpc.aio.server(interceptors=[ServerAuth(Verifier(RUN, run_key.public))])
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("t.S", handlers),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", interceptors=client_auth(credentials)) as ch:
+                return {
+                    "UU": await ch.unary_unary("/t.S/UU")(b"x", timeout=10),
+                    "US": [r async for r in ch.unary_stream("/t.S/US")(b"x", timeout=10)],
+                    "SU": await ch.stream_unary("/t.S/SU")(iter([b"x"]), timeout=10),
+                    "SS": [r async for r in ch.stream_stream("/t.S/SS")(iter([b"x"]), timeout=10)],
+                }
+        finally:
+            await server.stop(None)
+
+    assert asyncio.run(go()) == {"UU": b"ok", "US": [b"ok"], "SU": b"ok", "SS": [b"ok"]}
