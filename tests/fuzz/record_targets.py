@@ -1,6 +1,6 @@
 """Fuzz target of the DHT records (swarm/dht/records.py): `PeerRecord`, `EventRecord` and
-`TrainerRecord.parse_obj`, and hivemind's `SchemaValidator` with `SwarmSchema` as swarm/dht/node.py
-builds it.
+`TrainerRecord.parse_obj`, and the schema validator swarm/dht/node.py installs on every node
+(`schema_validator`: hivemind's `SchemaValidator` with `SwarmSchema`).
 
 Cases: records near the schema with fields replaced by anything (nested dicts and lists, bytes, huge
 ints, NaN, long strings), dropped or added; any value; DHT records whose key is one of the swarm's
@@ -20,13 +20,13 @@ import random
 
 import pydantic.v1 as pydantic
 from hivemind.dht.routing import DHTID
-from hivemind.dht.schema import SchemaValidator
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils.serializer import MSGPackSerializer
 from hypothesis import strategies as st
 
 from swarm.core.states import PeerState
-from swarm.dht.records import EventRecord, PeerRecord, SwarmSchema, TrainerRecord
+from swarm.dht.node import schema_validator
+from swarm.dht.records import EventRecord, PeerRecord, TrainerRecord
 from tests.fuzz import strategies as fs
 from tests.fuzz.harness import Target
 from tests.fuzz.wire_targets import expect
@@ -120,8 +120,8 @@ def _parse(kind: str, value) -> str:
 
 
 @functools.cache
-def validator() -> SchemaValidator:
-    return SchemaValidator(SwarmSchema, allow_extra_keys=True, prefix=RUN)
+def validator():
+    return schema_validator(RUN)
 
 
 def _validate(field: str, subkey: bytes, value: bytes) -> str:
