@@ -1,10 +1,12 @@
 """Fuzz targets of training states (swarm/training/state.py): `deserialize` and `validate` on random
-bytes, on truncated and bit-flipped real checkpoints (torch's zip format and its legacy one, which
-`deserialize` also reads) and on crafted states (fields replaced, tensors of other shapes and dtypes,
-NaN, huge zero-stride views, deep nesting, odd meta and ledger lines); and `CheckpointStore.load_latest`
-on a folder of good and corrupt checkpoints.
+bytes and on crafted states (fields replaced, tensors of other shapes and dtypes, NaN, huge
+zero-stride views, deep nesting, odd meta and ledger lines); `read_checkpoint` and `validate` on
+truncated and bit-flipped real checkpoint files (the state in torch's zip format, as
+`CheckpointStore` writes it, and in its legacy one, which `deserialize` also reads, each behind the
+checkpoint's sha256 line); and `CheckpointStore.load_latest` on a folder of good and corrupt
+checkpoints.
 
-Contract: deserialize and validate raise only StateError, within the deadline; a state they accept
+Contract: deserialize, read_checkpoint and validate raise only StateError, within the deadline; a state they accept
 loads into a real `StageExecutor` (parameters, optimizer, ledger), trains one more step and can be
 reported on the wire (Info's int64 step); a corrupted checkpoint that is accepted holds the original
 values. load_latest returns the newest good checkpoint (or None), skipping the others with a warning.
@@ -13,6 +15,7 @@ values. load_latest returns the newest good checkpoint (or None), skipping the o
 from __future__ import annotations
 
 import functools
+import hashlib
 import io
 import logging
 import random
@@ -27,7 +30,17 @@ from swarm.core.errors import StateError
 from swarm.peer.executor import StageExecutor
 from swarm.training.config import OptimConfig
 from swarm.training.models import build_stage
-from swarm.training.state import CheckpointStore, checkpoint_meta, deserialize, serialize, stamp, validate
+from swarm.training.state import (
+    CHECKPOINT_MAGIC,
+    CheckpointStore,
+    checkpoint_bytes,
+    checkpoint_meta,
+    deserialize,
+    read_checkpoint,
+    serialize,
+    stamp,
+    validate,
+)
 from tests.fuzz import strategies as fs
 from tests.fuzz.harness import Target
 from tests.fuzz.wire_targets import expect
@@ -40,7 +53,8 @@ HUGE_VIEW = 1 << 34  # elements of a zero-stride view a few bytes of checkpoint 
 
 class StateFixture:
     """A real stage's state after two updates (with optimizer state and ledger), stamped as a
-    checkpoint, serialized in both formats, and an executor to load accepted states into."""
+    checkpoint, serialized in both formats (`zip`, `legacy`: the checkpoint files, with the sha256
+    line), and an executor to load accepted states into."""
 
     def __init__(self) -> None:
         torch.manual_seed(0)
@@ -49,10 +63,11 @@ class StateFixture:
             self._train_step(f"t0/{i}/0")
         self.meta = checkpoint_meta(RUN, STAGE, NUM_STAGES, SPEC)
         self.state = stamp(self.executor.call(self.executor.state_dict).result(timeout=60), self.meta, SPEC)
-        self.zip = serialize(self.state)
+        self.zip = checkpoint_bytes(self.state)
         legacy = io.BytesIO()
         torch.save(self.state, legacy, _use_new_zipfile_serialization=False)
-        self.legacy = legacy.getvalue()
+        digest = hashlib.sha256(legacy.getvalue()).hexdigest().encode()
+        self.legacy = CHECKPOINT_MAGIC + digest + b"\n" + legacy.getvalue()
         self.module = build_stage(SPEC, STAGE, NUM_STAGES).module
         self._checkpoints: dict[int, bytes] = {}
 
@@ -75,7 +90,7 @@ class StateFixture:
 
     def checkpoint_bytes(self, step: int) -> bytes:
         if step not in self._checkpoints:
-            self._checkpoints[step] = serialize({**self.state, "step": step})
+            self._checkpoints[step] = checkpoint_bytes({**self.state, "step": step})
         return self._checkpoints[step]
 
 
@@ -174,7 +189,7 @@ def check_state(case: tuple) -> str:
         return "unserializable"
     fx = fixture()
     try:
-        state = deserialize(data)
+        state = read_checkpoint(data) if case[0] == "mutated" else deserialize(data)
         validate(state, fx.module, fx.meta)
     except StateError:
         return "refused"
@@ -210,8 +225,8 @@ def state_corpus() -> list:
         ("crafted", [("step", 1 << 70)]),  # a step no int64 holds
         ("crafted", [("ledger", ['{"stage":1,"step":0,"contributions":[]}'])]),
         ("crafted", [("param_groups", [])]),  # param_groups the optimizer cannot load
-        ("mutated", "zip", [("flip", 16073, 248, 1)]),  # one bit of a parameter's bytes
-        ("mutated", "legacy", [("set", 1048576, 111, 38)]),
+        ("mutated", "zip", [("flip", 16162, 248, 1)]),  # one bit of a parameter's bytes
+        ("mutated", "legacy", [("set", 31099, 111, 38)]),
     ]
 
 
@@ -231,9 +246,9 @@ def _write(folder: Path, step: int, kind: str) -> None:
         path.write_bytes(fx.checkpoint_bytes(step)[: 100 + 37 * step])
     elif kind == "nan":
         model = {k: torch.full_like(v, float("nan")) for k, v in fx.state["model"].items()}
-        path.write_bytes(serialize({**fx.state, "step": step, "model": model}))
+        path.write_bytes(checkpoint_bytes({**fx.state, "step": step, "model": model}))
     elif kind == "wrong_meta":
-        path.write_bytes(serialize({**fx.state, "step": step, "meta": {**fx.meta, "run_id": "other"}}))
+        path.write_bytes(checkpoint_bytes({**fx.state, "step": step, "meta": {**fx.meta, "run_id": "other"}}))
     elif kind == "directory":
         path.mkdir()
     elif kind == "empty":
