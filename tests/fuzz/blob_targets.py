@@ -17,6 +17,7 @@ returns has the declared types and survives to_json; load_state never raises.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hashlib
 import json
@@ -82,7 +83,11 @@ async def _receive(chunks: list[bytes], limit: int) -> tuple[dict, bytearray]:
         for chunk in chunks:
             yield chunk
 
-    return await receive_blob(stream(), limit, "fuzz")
+    # closed here, as a caller closes its call: a refused stream left open is finalized whenever
+    # the garbage collector gets to it, e.g. inside a later case's deep json.loads, where the
+    # finalizer fails for lack of stack ("Exception ignored in sys.unraisablehook: RecursionError")
+    async with contextlib.aclosing(stream()) as opened:
+        return await receive_blob(opened, limit, "fuzz")
 
 
 @functools.cache
