@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from swarm.training.state import CHECKPOINT_NAME, deserialize
+from swarm.training.state import CHECKPOINT_NAME, read_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def export(checkpoint_dir: str | Path, out: str | Path, step: int | None = None)
     for k, d in sorted(dirs.items()):
         if step not in steps[k]:
             raise ValueError(f"stage {k} has no checkpoint at step {step} (has {sorted(steps[k])})")
-        states[k] = deserialize((d / f"step{step:08d}.pt").read_bytes())
+        states[k] = read_checkpoint((d / f"step{step:08d}.pt").read_bytes())
     num_stages = {s.get("meta", {}).get("num_stages") for s in states.values()}
     specs = {s.get("meta", {}).get("model_spec") for s in states.values()}
     if len(num_stages) != 1 or len(specs) != 1:

@@ -74,6 +74,24 @@ class _DyingDHT(DHT):
         super().run()
 
 
+class _RefusingSchemaValidator(SchemaValidator):
+    """hivemind's SchemaValidator raises on some records instead of refusing them (a subkey that is
+    msgpack of a list: TypeError "unhashable type"), which fails the store or get that carried the
+    record: any error is a refusal here."""
+
+    def validate(self, record) -> bool:
+        try:
+            return super().validate(record)
+        except Exception as e:  # noqa: BLE001 - a record the schema cannot even read is refused
+            logger.debug("refusing a DHT record the schema validator cannot read: %r", e)
+            return False
+
+
+def schema_validator(run_id: str) -> SchemaValidator:
+    """The schema validator every node of the run installs."""
+    return _RefusingSchemaValidator(SwarmSchema, allow_extra_keys=True, prefix=run_id)
+
+
 class SwarmDHT:
     """A hivemind DHT node with the swarm's validators and typed accessors for its records."""
 
@@ -99,7 +117,7 @@ class SwarmDHT:
         self.member_filter: Callable[[bytes, str | None, tuple[str, ...] | None], bool] | None = None
         self.signer = RSASignatureValidator(load_identity(identity_path) if identity_path else None)
         self.owner = self.signer.local_public_key
-        validators = [SchemaValidator(SwarmSchema, allow_extra_keys=True, prefix=run_id), self.signer]
+        validators = [schema_validator(run_id), self.signer]
         announce = [f"/ip4/{announce_host}/tcp/{port}"] if announce_host and port else None
         # Create it on the calling thread and keep that thread alive: PR_SET_PDEATHSIG fires when the
         # creating *thread* exits.

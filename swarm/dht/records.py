@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import pydantic.v1 as pydantic
+from pydantic.v1.error_wrappers import ErrorWrapper
 
 from swarm.core.states import PeerState
 
@@ -15,7 +16,18 @@ MAX_STAGES = 64
 _Cert = pydantic.constr(strict=True, max_length=2000)
 
 
-class PeerRecord(pydantic.BaseModel):
+class _Record(pydantic.BaseModel):
+    @classmethod
+    def parse_obj(cls, obj):
+        """pydantic's, but a dict with keys that are not strings (msgpack carries any) is a
+        ValidationError too, not the TypeError of `cls(**obj)`: readers catch ValidationError."""
+        try:
+            return super().parse_obj(obj)
+        except TypeError as e:
+            raise pydantic.ValidationError([ErrorWrapper(e, loc="__root__")], cls) from None
+
+
+class PeerRecord(_Record):
     """What a peer announces about itself under its stage's key (strict types: no conversions)."""
 
     peer_id: pydantic.constr(strict=True, max_length=80)
@@ -37,7 +49,7 @@ class PeerRecord(pydantic.BaseModel):
         return value.value if isinstance(value, PeerState) else value
 
 
-class EventRecord(pydantic.BaseModel):
+class EventRecord(_Record):
     events: pydantic.conlist(pydantic.constr(strict=True, max_length=400), max_items=16)
     cert: _Cert | None = None
 
@@ -45,7 +57,7 @@ class EventRecord(pydantic.BaseModel):
         extra = pydantic.Extra.forbid
 
 
-class TrainerRecord(pydantic.BaseModel):
+class TrainerRecord(_Record):
     """What a trainer publishes about its training (for dashboards), refreshed every few seconds."""
 
     trainer_id: pydantic.constr(strict=True, max_length=40)
@@ -91,7 +103,7 @@ class Accusation(pydantic.BaseModel):
         extra = pydantic.Extra.forbid
 
 
-class AccusationRecord(pydantic.BaseModel):
+class AccusationRecord(_Record):
     """One trainer's accusations (its subkey under the run's `accusations` key)."""
 
     trainer_id: pydantic.constr(strict=True, max_length=40)

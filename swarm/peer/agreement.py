@@ -133,7 +133,8 @@ def agree(step: int, lists: dict[str, HeldSnapshot]) -> Agreement:
 
 async def ledger_chunks(executor: StageExecutor, request: pb.LedgerRequest):
     """GetLedger's messages: the entries from `from_step` on, as JSON lines (no checksum: TCP's)."""
-    limit = min(MAX_LEDGER_STEPS, request.max_steps or DEFAULT_LEDGER_STEPS)
+    # max_steps <= 0 asks for the default (a negative one would slice from the end: no cap at all)
+    limit = min(MAX_LEDGER_STEPS, request.max_steps if request.max_steps > 0 else DEFAULT_LEDGER_STEPS)
     entries = executor.ledger.entries(int(request.from_step), limit)
     data = "".join(e.to_json() + "\n" for e in entries).encode()
     async for chunk in blob_chunks(data, checksum=False, entries=len(entries), stage=executor.built.stage):

@@ -90,10 +90,22 @@ class LedgerEntry:
 
     @classmethod
     def from_json(cls, text: str) -> LedgerEntry:
-        d = json.loads(text)
-        contributions = {str(c): Held(int(v[0]), int(v[1])) for c, v in d["contributions"].items()}
-        members = [(str(m[0]), int(m[1])) for m in d.get("members", [])]
-        return cls(int(d["stage"]), int(d["step"]), contributions, members, float(d.get("time", 0.0)))
+        """An entry from one line of `to_json`; a line that is not one raises ValueError, KeyError,
+        TypeError or IndexError (what the readers of other peers' ledgers and of ledger files catch)."""
+        try:
+            d = json.loads(text)
+            if not isinstance(d, dict):
+                raise TypeError(f"a ledger entry is a JSON object, not {type(d).__name__}")
+            held, members = d["contributions"], d.get("members", [])
+            if not isinstance(held, dict) or not isinstance(members, list):
+                raise TypeError("a ledger entry's contributions are an object and its members a list")
+            if not all(isinstance(v, list) and len(v) == 2 for v in (*held.values(), *members)):
+                raise TypeError("a ledger entry's contributions and members are [a, b] pairs")
+            contributions = {str(c): Held(int(v[0]), int(v[1])) for c, v in held.items()}
+            members = [(str(m[0]), int(m[1])) for m in members]
+            return cls(int(d["stage"]), int(d["step"]), contributions, members, float(d.get("time", 0.0)))
+        except (RecursionError, OverflowError) as e:  # JSON nested too deep; int() of an infinite number
+            raise ValueError(f"malformed ledger entry: {type(e).__name__}") from None
 
 
 def merge_parts(parts: dict[str, Held]) -> dict[str, Held]:

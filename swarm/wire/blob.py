@@ -39,10 +39,12 @@ async def receive_blob(stream: AsyncIterator[bytes], max_bytes: int, what: str =
         if header is None:
             try:
                 header = json.loads(chunk.header or b"{}")
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:  # RecursionError: JSON nested too deep
                 raise StateError(f"{what} header is not JSON: {e}") from None
-            if not isinstance(header, dict) or not isinstance(header.get("bytes"), int) or header["bytes"] > max_bytes:
-                raise StateError(f"{what} header announces {header.get('bytes')} bytes (limit {max_bytes})")
+            if not isinstance(header, dict):
+                raise StateError(f"{what} header is a JSON {type(header).__name__}, not an object")
+            if not isinstance(header.get("bytes"), int) or header["bytes"] > max_bytes:
+                raise StateError(f"{what} header announces {header.get('bytes')!r:.40} bytes (limit {max_bytes})")
             continue
         buf += chunk.data
         if len(buf) > header["bytes"]:

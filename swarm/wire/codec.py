@@ -80,7 +80,9 @@ def _raw_bytes(tensor: torch.Tensor) -> bytes:
     tensor = tensor.detach().contiguous().cpu()
     if tensor.dtype == torch.bool:
         tensor = tensor.to(torch.uint8)
-    return tensor.view(torch.uint8).numpy().tobytes()
+    # view() as bytes needs one dimension of stride 1: a 0-dim tensor or an empty one with odd
+    # strides has none
+    return tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 QUANTIZE_ROWS = 1024  # blocks quantized per pass: the fp32 temporary stays in cache (1 MiB)
@@ -181,6 +183,8 @@ def _check_header(message: pb.Tensor, max_numel: int) -> tuple[torch.dtype, tupl
     numel = math.prod(shape)
     if numel > max_numel:
         raise WireError(f"tensor of shape {list(shape)} has {numel} elements, more than the limit {max_numel}")
+    if math.prod(s for s in shape if s) > max_numel:  # an empty tensor still has strides to compute
+        raise WireError(f"empty tensor of shape {list(shape)} has dimensions over the limit {max_numel}")
     if message.codec != pb.CODEC_NONE and dtype not in FLOAT_DTYPES:
         raise WireError(f"codec {CODEC_LABELS[message.codec]} applies to float tensors, not {message.dtype}")
     return dtype, shape, numel

@@ -103,3 +103,26 @@ def test_nan_scales_rejected():
 def test_numel_limit():
     with pytest.raises(WireError, match="limit"):
         codec.decode(_msg(shape=[1 << 20, 1 << 20], data=b""), max_numel=1 << 30)
+
+
+@pytest.mark.parametrize("codec_id", [pb.CODEC_NONE, pb.CODEC_FP16, pb.CODEC_INT8_BLOCK], ids=str)
+def test_empty_tensor_with_huge_dimensions_is_refused(codec_id):
+    # found by the fuzzer (docs/FUZZING.md): 0 elements passed the limit, then torch.empty raised
+    # "Stride calculation overflowed" (a RuntimeError, INTERNAL through a handler)
+    huge = (1 << 63) - 1
+    msg = _msg(shape=[0, huge, huge], codec=codec_id, data=b"", block_size=8, scales=b"\0" * 4)
+    with pytest.raises(WireError, match="limit"):
+        codec.decode(msg, max_numel=1 << 16)
+    assert codec.decode(_msg(shape=[0, 256, 256], data=b""), max_numel=1 << 16).shape == (0, 256, 256)
+
+
+@pytest.mark.parametrize("codec_id", CODECS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64, torch.int16, torch.bool], ids=str)
+def test_scalars_and_strided_empty_tensors_encode(codec_id, dtype):
+    # found by the fuzzer: view(torch.uint8) of a 0-dim tensor (or an empty one with strides (1, 0))
+    # raised RuntimeError instead of encoding it
+    scalar = torch.tensor(1.5).to(dtype)
+    y = codec.decode(codec.to_proto(codec.encode(scalar, codec_id)))
+    assert y.shape == () and y.dtype == dtype and float(y) == pytest.approx(float(scalar), rel=0.01)
+    empty = torch.randn(0, 1, dtype=torch.float64).to(dtype)
+    assert codec.decode(codec.to_proto(codec.encode(empty, codec_id))).shape == (0, 1)

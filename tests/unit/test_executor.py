@@ -83,3 +83,25 @@ def test_stop_fails_pending_work():
     ex.stop()
     with pytest.raises(ExecutorStopped, match="stopped"):
         ex.forward(torch.randn(1, 8, 16))
+
+
+def test_finite_gradients_whose_sum_would_overflow_are_refused():
+    # found by the fuzzer (docs/FUZZING.md): ~40 Backwards to stage 0, each with token ids arange(8)
+    # and an output gradient of 1e36 everywhere (finite, accepted), made the gradient sum infinite;
+    # the update then wrote NaN into every parameter
+    first = StageExecutor(build_stage(GPT, 0, 2), OptimConfig())
+    try:
+        ids, grad_out = torch.arange(8).unsqueeze(0), torch.full((1, 8, 16), 1e36)
+        refused = 0
+        for i in range(48):
+            try:
+                first.backward(ids, grad_out, None, f"big/0/{i}").result(timeout=30)
+            except NonFiniteResult:
+                refused += 1
+        assert 0 < refused < 48
+        frozen = first.acc.get(0)
+        assert frozen.samples == 48 - refused and all(torch.isfinite(g).all() for g in frozen.grads)
+        first.call(first.local_step).result(timeout=30)
+        assert all(torch.isfinite(p).all() for p in first.params)
+    finally:
+        first.stop()

@@ -1,13 +1,18 @@
 """The ledger's model and check, the stage-mates' agreement on an update, and the accumulators'
 exactly-once rules (duplicates, frozen and applied updates, dropping for replay)."""
 
+import asyncio
+from types import SimpleNamespace
+
 import pytest
 import torch
 
+from swarm.cluster.ledger import DEFAULT_LEDGER_STEPS
 from swarm.core.errors import LateContribution, StepClosed
-from swarm.peer.agreement import agree
+from swarm.peer.agreement import MAX_LEDGER_STEPS, agree, ledger_chunks
 from swarm.peer.executor.accumulators import Accumulators, Holder
 from swarm.peer.executor.updates import HeldSnapshot
+from swarm.peer.ledger import StageLedger
 from swarm.policy.ledger import (
     Assignment,
     Held,
@@ -20,6 +25,8 @@ from swarm.policy.ledger import (
     step_of,
 )
 from swarm.training.data import ShardSampler
+from swarm.wire.blob import receive_blob
+from swarm.wire.protocol import pb
 
 
 def test_digest_is_order_independent_and_tells_sets_apart():
@@ -37,6 +44,43 @@ def test_parts_merge_into_their_contribution():
 def test_entry_round_trips_through_json():
     e = LedgerEntry(1, 4, {"t0/4/0": Held(8, 12345678901234567890)}, [("peerA", 2)], 1.5)
     assert LedgerEntry.from_json(e.to_json()) == e
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        # found by the fuzzer (docs/FUZZING.md): AttributeError, OverflowError and RecursionError
+        # escaped from_json, past every reader's except (a state download then half-loaded)
+        '{"stage":0,"step":0,"contributions":[]}',
+        '{"stage":1e999,"step":0,"contributions":{}}',
+        "[" * 100_000,
+        "[1, 2]",
+        '{"stage":0,"step":0,"contributions":{"c":"12"}}',
+        '{"stage":0,"step":0,"contributions":{},"members":{"p":1}}',
+    ],
+)
+def test_malformed_entries_raise_what_the_readers_catch(line):
+    with pytest.raises((ValueError, KeyError, TypeError, IndexError)):
+        LedgerEntry.from_json(line)
+    ledger = StageLedger(0)
+    ledger.load_state([line, _entry(0, 3, "t0/3/0").to_json()])
+    assert [e.step for e in ledger.entries()] == [3]
+
+
+def test_get_ledger_caps_a_negative_max_steps():
+    # found by the fuzzer: max_steps=-2 sliced steps[:-2], every entry but two instead of at most 4096
+    ledger = StageLedger(0)
+    for step in range(MAX_LEDGER_STEPS + 10):
+        ledger.record(_entry(0, step))
+    executor = SimpleNamespace(ledger=ledger, built=SimpleNamespace(stage=0))
+
+    async def lines(max_steps):
+        request = pb.LedgerRequest(run_id="r", stage=0, from_step=0, max_steps=max_steps)
+        _, data = await receive_blob(ledger_chunks(executor, request), 1 << 28, "ledger")
+        return bytes(data).decode().splitlines()
+
+    for max_steps, want in ((-2, DEFAULT_LEDGER_STEPS), (0, DEFAULT_LEDGER_STEPS), (5, 5), (1 << 30, MAX_LEDGER_STEPS)):
+        assert len(asyncio.run(lines(max_steps))) == want
 
 
 def _entry(stage, step, *cids):

@@ -11,7 +11,8 @@ caught up with its mates, or held a contribution a mate also holds): trainers re
 sent under an older epoch and do not find in the stage's ledger. Compute thread only.
 
 Gradient convention: the gradient of the SUM over samples of the per-sample loss; an update divides
-by the number of samples it covers.
+by the number of samples it covers. A sum stays finite: a request whose gradient could make it
+overflow is refused (each request's gradient is finite, their sum need not be).
 """
 
 from __future__ import annotations
@@ -22,11 +23,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from swarm.core.errors import LateContribution, StepClosed
+from swarm.core.errors import LateContribution, NonFiniteResult, StepClosed
 from swarm.policy.ledger import Held, base_id
 
 APPLIED_IDS_REMEMBERED = 1 << 16  # contribution ids of applied updates still recognized as duplicates
 ELSEWHERE_HINT_S = 10.0  # how long "a mate holds it" answers a replay: that mate may move, die or drop it
+
+
+def _largest(tensor: torch.Tensor) -> float:
+    """The largest |element| (0 for an empty tensor)."""
+    return float(torch.linalg.vector_norm(tensor, float("inf"))) if tensor.numel() else 0.0
 
 
 @dataclass
@@ -39,6 +45,7 @@ class Accumulated:
     step: int
     held: dict[str, Held] = field(default_factory=dict)
     norm: float = 0.0  # of the mean gradient (the sum over samples), set when frozen: the outlier rule
+    bound: float = 0.0  # the sum of the largest |element| of each gradient added: no sum's element is larger
 
 
 @dataclass(frozen=True)
@@ -53,6 +60,9 @@ class Holder:
 class Accumulators:
     def __init__(self, params: list[torch.Tensor]) -> None:
         self.params = params
+        # sums stay below this: their dtype holds it, and so does bfloat16 (a partial sum travels as that)
+        dtypes = {p.dtype for p in params if p.is_floating_point()} | {torch.bfloat16}
+        self.limit = min(torch.finfo(d).max for d in dtypes)
         self.accumulating_step = 0  # the next update to freeze; gradients for it and later go in
         self.epoch = 0
         self._open: dict[int, Accumulated] = {}
@@ -92,7 +102,12 @@ class Accumulators:
     # ---- accumulating ----
 
     def add(self, step: int, grads: list[torch.Tensor | None], held: dict[str, Held]) -> None:
+        """Add a request's (finite) gradients to update `step`'s sum; NonFiniteResult, and nothing
+        added, when the sum could overflow."""
+        largest = max((_largest(g) for g in grads if g is not None), default=0.0)
         acc = self._open.get(step)
+        if (acc.bound if acc is not None else 0.0) + largest > self.limit:
+            raise NonFiniteResult(f"gradients this large would overflow the sum for update {step}; not accumulated")
         if acc is None:
             acc = self._open[step] = Accumulated(None, 0, step)
         if acc.grads is None:
@@ -100,6 +115,7 @@ class Accumulators:
         for buf, g in zip(acc.grads, grads, strict=True):
             if g is not None:
                 buf.add_(g)
+        acc.bound += largest
         acc.samples += sum(h.samples for h in held.values())
         acc.held.update(held)
 

@@ -152,8 +152,11 @@ class StageUpdates:
         the state already holds must be in those updates (its ledger says which): they are, or
         every unapplied gradient is dropped and replayed by the trainers. Returns the samples dropped."""
         held = self.acc.unapplied_ids(below=int(state["step"]))
+        # the moments under this peer's own hyperparameters (the run's; the learning rate is set at
+        # every update), copied: a loaded tensor may share memory with another or be a broadcast view
+        groups = self.optimizer.state_dict()["param_groups"]
+        self.optimizer.load_state_dict({"state": clone_tensors(state["optimizer"]["state"]), "param_groups": groups})
         self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
         ledger = state.get("ledger")
         if isinstance(ledger, list):
