@@ -11,6 +11,7 @@ from swarm.cluster.view import SwarmView, fallback_totals
 from swarm.core.errors import ConfigError
 from swarm.core.states import PeerState
 from swarm.dht.node import SwarmDHT
+from swarm.dht.records import newest_events
 from swarm.wire.pool import ClientPool
 
 UNREACHABLE = "unreachable"  # listed as serving, but its Info polls fail
@@ -69,7 +70,6 @@ async def collect_status(
                 events.append(json.loads(raw))
             except ValueError:
                 continue
-        events.sort(key=lambda e: e.get("time", 0))
         return {
             "run_id": run_id,
             "security": "private" if run.private else "open",
@@ -77,7 +77,7 @@ async def collect_status(
             "stages": stages,
             "bottleneck": bottleneck,
             "swarm_throughput": min((st["throughput"] for st in stages), default=0.0),
-            "events": events[-max_events:],
+            "events": newest_events([e for e in events if isinstance(e, dict)], max_events),
         }
     finally:
         await clients.close()

@@ -115,6 +115,8 @@ class Peer:
             cfg, run, self.dht, self.view, self.clients, self.serving, self.records, self.events, self.device
         )
         await m.enter(await m.pick_stage())
+        self.events.add("join", publish=False, stage=m.stage, step=m.step, throughput=round(self.serving.throughput, 2))
+        await m.publish_events()  # before the first record that says online
         self.records.start()
         self.view.start(poll_stages={m.stage})
         self._tasks = [
@@ -129,7 +131,6 @@ class Peer:
             costs = stage_costs(run.model, run.num_stages)
             placement = PlacementLoop(m, run.num_stages, costs, cfg.rebalance_period_s, cfg.rebalance_threshold)
             self._tasks.append(asyncio.create_task(placement.run()))
-        self.events.add("join", stage=m.stage, step=m.step, throughput=round(self.serving.throughput, 2))
         self._print_ready()
 
     def _print_ready(self) -> None:
@@ -241,6 +242,8 @@ class Peer:
         await self.clients.close()
         if self.keeper is not None:
             self.keeper.stop()
+        if self.events is not None:
+            self.events.close()
         if self.dht is not None:
             await loop.run_in_executor(None, self.dht.shutdown)
         logger.info("stopped")
