@@ -118,6 +118,7 @@ class Peer:
         self.events.add("join", publish=False, stage=m.stage, step=m.step, throughput=round(self.serving.throughput, 2))
         await m.publish_events()  # before the first record that says online
         self.records.start()
+        self.view.info_listeners.append(self._note_mates_step)
         self.view.start(poll_stages={m.stage})
         self._tasks = [
             asyncio.create_task(self._step_loop()),
@@ -132,6 +133,11 @@ class Peer:
             placement = PlacementLoop(m, run.num_stages, costs, cfg.rebalance_period_s, cfg.rebalance_threshold)
             self._tasks.append(asyncio.create_task(placement.run()))
         self._print_ready()
+
+    def _note_mates_step(self) -> None:
+        """After each round of Info polls: how far the stage is (swarm.peer.server tells a request
+        for a step this peer has not reached from one no peer of the stage takes)."""
+        self.serving.mates_step = max((mate.step for mate in self.membership.live_mates()), default=0)
 
     def _print_ready(self) -> None:
         m = self.membership
