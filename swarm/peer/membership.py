@@ -108,6 +108,10 @@ class Membership:
     def step(self) -> int:
         return 0 if self.runtime is None else self.runtime.executor.step
 
+    def is_accused(self) -> bool:
+        """A trainer caught this peer lying: its mates leave it out of their updates."""
+        return self.peer_id in self.view.accused
+
     def live_mates(self) -> list[PeerStatus]:
         """Live stage-mates, less those a trainer caught lying (they take no part in updates)."""
         return [m for m in self.view.stage_peers(self.stage) if m.peer_id not in self.view.accused]
