@@ -89,6 +89,17 @@ class HonestyStats:
     accusations_rejected: int = 0
     banned: dict[str, dict] = field(default_factory=dict)  # peer id -> how, when, after how many calls
     max_agreeing_error: float = 0.0  # the largest difference seen between answers within the tolerance
+    # peer id -> mismatched checks it answered in (either side): bounded by the peers of the run
+    mismatches_by_peer: collections.Counter[str] = field(default_factory=collections.Counter)
+
+    def progress(self) -> dict:
+        """The figures of a progress line: what the checks found so far."""
+        return {
+            "spot_checks": self.spot_checks,
+            "spot_check_mismatches": self.mismatches,
+            "spot_checks_disputed": self.disputed,
+            "liars_banned": len(self.banned),
+        }
 
     def summary(self) -> dict:
         return {
@@ -99,6 +110,7 @@ class HonestyStats:
             "accusations_rejected": self.accusations_rejected,
             "liars_banned": self.banned,
             "spot_check_max_agreeing_error": self.max_agreeing_error,
+            "spot_check_mismatches_by_peer": dict(self.mismatches_by_peer),
         }
 
 
@@ -184,6 +196,7 @@ class Honesty:
             self.stats.max_agreeing_error = max(self.stats.max_agreeing_error, error)
             return first
         self.stats.mismatches += 1
+        self.stats.mismatches_by_peer.update([peer.peer_id, second[2].peer_id])
         third = await self._other(stage, kind, request, tensors, samples, {peer.peer_id, second[2].peer_id})
         verdict = None if third is None else answer(kind, third[0], third[1])
         if verdict is None:
