@@ -10,6 +10,7 @@ from swarm.cluster.authority import join_run
 from swarm.cluster.view import SwarmView, fallback_totals
 from swarm.core.states import PeerState
 from swarm.dht.node import SwarmDHT
+from swarm.dht.records import newest_events
 from swarm.wire.pool import ClientPool
 
 UNREACHABLE = "unreachable"  # listed as serving, but its Info polls fail
@@ -65,7 +66,6 @@ async def collect_status(
                 events.append(json.loads(raw))
             except ValueError:
                 continue
-        events.sort(key=lambda e: e.get("time", 0))
         return {
             "run_id": run_id,
             "security": "private" if run.private else "open",
@@ -74,7 +74,7 @@ async def collect_status(
             "stages": stages,
             "bottleneck": bottleneck,
             "swarm_throughput": min((st["throughput"] for st in stages), default=0.0),
-            "events": events[-max_events:],
+            "events": newest_events([e for e in events if isinstance(e, dict)], max_events),
         }
     finally:
         await clients.close()

@@ -36,7 +36,8 @@ class ExecutorStopped(NotServing):
 
 
 class StepNotReady(NotServing):
-    """Exact mode: the request is for a step this peer has not reached within the wait."""
+    """The request is for a step this peer has not reached: further ahead than it takes (it is behind
+    its stage: it just entered it, or was paused), or, in exact mode, not reached within the wait."""
 
 
 class StepClosed(SwarmError):

@@ -18,7 +18,7 @@ from swarm.cluster.view import PeerStatus, SwarmView
 from swarm.core.states import PeerState
 from swarm.dashboard.source import ACCUSED, DEAD, HISTORY_KEYS
 from swarm.dht.node import SwarmDHT
-from swarm.dht.records import TrainerRecord
+from swarm.dht.records import ROUTINE_EVENTS, TrainerRecord
 from swarm.training.config import RunConfig
 from swarm.wire.pool import ClientPool
 
@@ -28,6 +28,7 @@ DHT_REFRESH_S = 2.0
 INFO_CONCURRENCY = 32
 GONE_SHOWN_S = 300.0  # an offline or dead peer keeps its card this long
 MAX_EVENTS = 500
+MAX_ROUTINE_EVENTS = 50  # routine events (checkpoints) kept besides, so that they never push out a move
 MAX_HISTORY = 2000
 TRAINER_STALE_S = 30.0
 
@@ -55,7 +56,8 @@ class LiveSource:
         self.dht, self.run, self.concurrency = dht, run, concurrency
         self.clients = ClientPool()
         self.view = SwarmView(dht, run.num_stages, clients=self.clients, info_timeout_s=2.0)
-        self.events: collections.deque[dict] = collections.deque(maxlen=MAX_EVENTS)
+        self.events: collections.deque[dict] = collections.deque(maxlen=MAX_EVENTS)  # newest first
+        self.routine_events: collections.deque[dict] = collections.deque(maxlen=MAX_ROUTINE_EVENTS)
         self.events_total: collections.Counter[str] = collections.Counter()
         self.history: dict[str, list] = {k: [] for k in HISTORY_KEYS}
         self._seen_events: set[tuple] = set()
@@ -89,7 +91,8 @@ class LiveSource:
         if key in self._seen_events:
             return
         self._seen_events.add(key)
-        self.events.appendleft({"time": t, "kind": kind, "peer_id": peer_id, "detail": detail})
+        kept = self.routine_events if kind in ROUTINE_EVENTS else self.events
+        kept.appendleft({"time": t, "kind": kind, "peer_id": peer_id, "detail": detail})
         self.events_total[kind] += 1
 
     def _add_peer_event(self, raw: str) -> None:
@@ -190,7 +193,7 @@ class LiveSource:
             "healthy": all(st["live_peers"] > 0 for st in stages),
             "stages": stages,
             "trainers": [{**t.dict(), "last_seen_s": round(max(0.0, wall - t.time), 1)} for t in trainers],
-            "events": list(self.events),
+            "events": sorted([*self.events, *self.routine_events], key=lambda e: -e["time"]),
             "events_total": dict(self.events_total),
             "history": {k: list(v) for k, v in self.history.items()},
         }

@@ -49,8 +49,34 @@ class PeerRecord(_Record):
         return value.value if isinstance(value, PeerState) else value
 
 
+MAX_EVENTS_PER_PEER = 16
+# Events that come often and routinely (a checkpoint every step, with --checkpoint-every 1): every
+# window of recent events keeps only a few of them, so that they never push out the ones that matter
+# (moves, joins, fallbacks).
+ROUTINE_EVENTS = frozenset({"checkpoint"})
+
+
+def _newest(items: list, n: int) -> list:
+    return items[max(len(items) - n, 0) :] if n > 0 else []
+
+
+def newest_events(events: list[dict], limit: int, routine_limit: int | None = None) -> list[dict]:
+    """The newest `limit` events, oldest first: routine ones only in the places the others leave,
+    and at most `routine_limit` of them."""
+
+    def when(e: dict) -> float:
+        t = e.get("time")
+        return float(t) if isinstance(t, int | float) else 0.0
+
+    ordered = sorted(events, key=when)
+    notable = _newest([e for e in ordered if e.get("event") not in ROUTINE_EVENTS], limit)
+    room = limit - len(notable) if routine_limit is None else min(routine_limit, limit - len(notable))
+    routine = _newest([e for e in ordered if e.get("event") in ROUTINE_EVENTS], room)
+    return sorted(notable + routine, key=when)
+
+
 class EventRecord(_Record):
-    events: pydantic.conlist(pydantic.constr(strict=True, max_length=400), max_items=16)
+    events: pydantic.conlist(pydantic.constr(strict=True, max_length=400), max_items=MAX_EVENTS_PER_PEER)
     cert: _Cert | None = None
 
     class Config:

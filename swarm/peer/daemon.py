@@ -123,7 +123,15 @@ class Peer:
             cfg, run, self.dht, self.view, self.clients, self.serving, self.records, self.events, self.device
         )
         await m.enter(await m.pick_stage())
+        seconds = time.monotonic() - t0
+        logger.info("joined stage %d in %.2f s", m.stage, seconds)
+        throughput = round(self.serving.throughput, 2)
+        self.events.add(
+            "join", publish=False, stage=m.stage, step=m.step, throughput=throughput, seconds=round(seconds, 2)
+        )
+        await m.publish_events()  # before the first record that says online
         self.records.start()
+        self.view.info_listeners.append(self._note_mates_step)
         self.view.start(poll_stages={m.stage})
         self._tasks = [
             asyncio.create_task(self._step_loop()),
@@ -137,13 +145,13 @@ class Peer:
             costs = stage_costs(run.model, run.num_stages)
             placement = PlacementLoop(m, run.num_stages, costs, cfg.rebalance_period_s, cfg.rebalance_threshold)
             self._tasks.append(asyncio.create_task(placement.run()))
-        seconds = time.monotonic() - t0
-        logger.info("joined stage %d in %.2f s", m.stage, seconds)
-        self.events.add(
-            "join", stage=m.stage, step=m.step, throughput=round(self.serving.throughput, 2), seconds=round(seconds, 2)
-        )
         self._print_ready()
         self._tasks.append(asyncio.create_task(self._check_reachable(port)))
+
+    def _note_mates_step(self) -> None:
+        """After each round of Info polls: how far the stage is (swarm.peer.server tells a request
+        for a step this peer has not reached from one no peer of the stage takes)."""
+        self.serving.mates_step = max((mate.step for mate in self.membership.live_mates()), default=0)
 
     def _print_ready(self) -> None:
         m = self.membership
@@ -263,6 +271,8 @@ class Peer:
         await self.clients.close()
         if self.keeper is not None:
             self.keeper.stop()
+        if self.events is not None:
+            self.events.close()
         if self.dht is not None:
             await loop.run_in_executor(None, self.dht.shutdown)
         if self.serving is not None:

@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 MATES_ANSWER_WAIT_S = 30.0  # on entering: how long to wait for listed mates to answer Info
 NO_STATE_RETRY_S = 5.0  # a peer of a stage with no state looks for a source this often
 STATE_SOURCES_TRIED = 3  # mates tried per state download round
+EVENTS_WAIT_S = 3.0  # a move waits this long at most for its event to be on the DHT before going online
 
 
 @dataclass
@@ -106,6 +107,10 @@ class Membership:
     @property
     def step(self) -> int:
         return 0 if self.runtime is None else self.runtime.executor.step
+
+    def is_accused(self) -> bool:
+        """A trainer caught this peer lying: its mates leave it out of their updates."""
+        return self.peer_id in self.view.accused
 
     def live_mates(self) -> list[PeerStatus]:
         """Live stage-mates, less those a trainer caught lying (they take no part in updates)."""
@@ -173,6 +178,15 @@ class Membership:
 
     async def enter(self, stage: int) -> None:
         """Build the stage, get its current state, measure throughput; the peer then serves it."""
+        await self._prepare(stage)
+        self._go_online()
+
+    def _go_online(self) -> None:
+        self.serving.state = PeerState.ONLINE
+        set_context(step=self.step)
+
+    async def _prepare(self, stage: int) -> None:
+        """Everything entering `stage` takes but going online: the peer is `joining` meanwhile."""
         run, cfg = self.run, self.cfg
         loop = asyncio.get_running_loop()
         set_context(stage=stage, step=0)
@@ -213,8 +227,6 @@ class Membership:
         await self.view.poll_info({stage})
         if any(m.step > executor.step for m in self.live_mates()):
             await self.sync_from_mates()  # the stage moved on while this peer was getting ready
-        self.serving.state = PeerState.ONLINE
-        set_context(step=executor.step)
 
     def _after_update(self, step: int) -> None:
         self.records.refresh_now()
@@ -249,15 +261,26 @@ class Membership:
             await loop.run_in_executor(None, self.records.announce, dst, PeerState.JOINING)
             await self.leave()
             self.view.poll_stages = {dst}
-            await self.enter(dst)
+            await self._prepare(dst)
+            seconds = time.monotonic() - started
+            self.events.add(
+                "move", publish=False, src=src, dst=dst, reason=reason, before=round(before, 2),
+                after=round(after, 2), seconds=round(seconds, 2), step=self.step,
+            )  # fmt: skip
+            await self.publish_events()  # before the record says online: whoever sees the layout sees the move
+            self._go_online()
             self.records.refresh_now()
         self.last_placement = time.monotonic()
-        seconds = time.monotonic() - started
-        self.events.add(
-            "move", src=src, dst=dst, reason=reason, before=round(before, 2), after=round(after, 2),
-            seconds=round(seconds, 2), step=self.step,
-        )  # fmt: skip
         logger.info("moved from stage %d to stage %d in %.2f s", src, dst, seconds)
+
+    async def publish_events(self) -> None:
+        """Store this peer's events now, waiting at most EVENTS_WAIT_S (a failed or slow store is
+        completed by the event log's worker)."""
+        pending = asyncio.get_running_loop().run_in_executor(None, self.events.publish)
+        try:
+            await asyncio.wait_for(asyncio.shield(pending), EVENTS_WAIT_S)
+        except TimeoutError:
+            logger.info("the events are not on the DHT yet (slow store): going online all the same")
 
     # ---- the stage's state ----
 

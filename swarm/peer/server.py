@@ -96,11 +96,12 @@ class StageService:
         if msg.reply_codec not in codec.CODEC_LABELS:
             raise WireError(f"unknown reply codec {msg.reply_codec}")
         training = not getattr(msg, "validation", False)
-        if training and not 0 <= msg.step <= executor.step + self.limits.max_steps_ahead:
-            raise RequestInvalid(
-                f"the request is for step {msg.step}; this peer takes steps up to {executor.step} + "
-                f"{self.limits.max_steps_ahead}"
-            )
+        ahead = self.limits.max_steps_ahead
+        if training and not 0 <= msg.step <= executor.step + ahead:
+            text = f"the request is for step {msg.step}; this peer takes steps up to {executor.step} + {ahead}"
+            if 0 <= msg.step <= self.serving.mates_step + ahead:
+                raise StepNotReady(text)  # this peer is behind its stage (it just entered it, or was paused)
+            raise RequestInvalid(text)  # ahead of the whole stage: every peer would refuse it
         if self.serving.exact and training and msg.step > executor.step:
             with self.admission.wait_for_step():
                 await self._wait_for_step(executor, int(msg.step))

@@ -52,6 +52,9 @@ class ServingState:
         self.note = ""  # why this peer is not serving yet, for status and dashboards (e.g. no state)
         self.fallbacks: dict[str, int] = {}  # kind -> count of the fallbacks its stage took
         self.lie = None  # debug only (swarm.core.debug.LiePlan): a dishonest peer, for tests
+        # the highest step this peer's live stage-mates report (its Info polls): a request too far
+        # ahead of this peer but not of them finds this peer behind its stage, not the request wrong
+        self.mates_step = 0
 
     def check_target(self, run_id: str, stage: int) -> tuple[StageExecutor, StageSchema]:
         """The executor and schema to serve a request for (run_id, stage) with, or a typed error:

@@ -10,8 +10,9 @@ finds the stage not ready (a contribution held twice, a mate missing, not yet fr
 unfreeze and wait: nothing is ever applied with fewer or more samples than the step's.
 
 Other reasons to act:
-- behind: a mate already applied this update without this peer (it missed the round, or was
-  paused): download that mate's state; the gradients this peer held for it are in the downloaded
+- behind: a mate already applied this update without this peer (it missed the round, was paused,
+  or was accused of lying: its mates leave it out of every update, and it does not try to average
+  with them): download that mate's state; the gradients this peer held for it are in the downloaded
   update, else dropped and replayed by the trainers (swarm.peer.executor.compute.load_state_dict);
 - diverged: same step, different parameters than the stage's reference peer: download its state.
 A stage whose count stays below the global batch waits (a dead trainer's restart completes its
@@ -64,6 +65,8 @@ class StageMates(Protocol):
     async def refresh_view(self) -> None: ...
 
     async def refresh_accusations(self) -> None: ...
+
+    def is_accused(self) -> bool: ...
 
     def event(self, kind: str, **fields: object) -> None: ...
 
@@ -118,6 +121,8 @@ class StepCoordinator:
         total = ex.samples_accumulated + sum(m.samples_accumulated for m in mates if m.step == step)
         if any(m.step > step for m in mates):
             return UpdateReason.BEHIND
+        if self.mates.is_accused():
+            return None  # its mates leave it out of their updates: it follows them (behind, above)
         if self.diverged_from() is not None:
             return UpdateReason.DIVERGED
         if total >= self.global_batch:
@@ -158,6 +163,9 @@ class StepCoordinator:
             return
         # a peer accused a moment ago takes no part (its accusation is read while this one freezes)
         frozen, _ = await asyncio.gather(asyncio.wrap_future(ex.call(ex.take_accumulated)), self._read_accusations())
+        if self.mates.is_accused():  # this peer itself: its mates will not average with it
+            await asyncio.wrap_future(ex.call(ex.unfreeze))
+            return
         agreement = await self._agree(frozen)
         if agreement is None or not await self._settle(agreement):
             return

@@ -45,7 +45,7 @@ CODEC_TOLERANCE = {pb.CODEC_NONE: 1e-3, pb.CODEC_FP16: 5e-3, pb.CODEC_BF16: 3e-2
 ASYNC_TOLERANCE = 0.1
 ACCUSATION_TTL_S = 600.0
 REPUBLISH_S = 60.0
-VERIFY_PERIOD_S = 1.0
+VERIFY_PERIOD_S = 0.25  # how often a trainer tries to verify the accusations it has not judged yet
 VERIFY_PROBES = 2  # agreeing answers from the accused that reject an accusation
 CHECK_TIMEOUT_S = 30.0
 
@@ -89,6 +89,17 @@ class HonestyStats:
     accusations_rejected: int = 0
     banned: dict[str, dict] = field(default_factory=dict)  # peer id -> how, when, after how many calls
     max_agreeing_error: float = 0.0  # the largest difference seen between answers within the tolerance
+    # peer id -> mismatched checks it answered in (either side): bounded by the peers of the run
+    mismatches_by_peer: collections.Counter[str] = field(default_factory=collections.Counter)
+
+    def progress(self) -> dict:
+        """The figures of a progress line: what the checks found so far."""
+        return {
+            "spot_checks": self.spot_checks,
+            "spot_check_mismatches": self.mismatches,
+            "spot_checks_disputed": self.disputed,
+            "liars_banned": len(self.banned),
+        }
 
     def summary(self) -> dict:
         return {
@@ -99,6 +110,7 @@ class HonestyStats:
             "accusations_rejected": self.accusations_rejected,
             "liars_banned": self.banned,
             "spot_check_max_agreeing_error": self.max_agreeing_error,
+            "spot_check_mismatches_by_peer": dict(self.mismatches_by_peer),
         }
 
 
@@ -184,6 +196,7 @@ class Honesty:
             self.stats.max_agreeing_error = max(self.stats.max_agreeing_error, error)
             return first
         self.stats.mismatches += 1
+        self.stats.mismatches_by_peer.update([peer.peer_id, second[2].peer_id])
         third = await self._other(stage, kind, request, tensors, samples, {peer.peer_id, second[2].peer_id})
         verdict = None if third is None else answer(kind, third[0], third[1])
         if verdict is None:
@@ -258,39 +271,39 @@ class Honesty:
     # ---- verifying others' accusations ----
 
     async def verify(self, peer_id: str, accusation: Accusation) -> None:
-        """Send a remembered request of the accused's stage to it and to two mates: ban it if it
-        disagrees with both while they agree; reject the accusation if it agrees VERIFY_PROBES times."""
+        """Send a remembered request of the accused's stage to it and to two mates at the same step,
+        at once: ban it if it disagrees with both while they agree; reject the accusation if it
+        agrees VERIFY_PROBES times. The accused takes no part in its stage's updates (it follows them
+        by downloading a mate's state), so it is at its mates' step only from its download to their
+        next update: the probe is for that step (computed at the parameters of that step, no
+        look-ahead), and answers computed at different steps prove nothing (tried again later)."""
         probe = self.probes.get(accusation.stage)
-        status = self.view.peers.get(peer_id)
-        if probe is None or status is None or not self.view.is_live(status):
+        accused = self.view.peers.get(peer_id)
+        if probe is None or accused is None or not self.view.is_live(accused) or not accused.last_info_ok:
             return  # nothing to verify with yet, or it is gone (no work goes to it either way)
-        request = self._check_request(probe.kind, probe.request)
-        try:
-            response, output = await self.clients.get(status.load.address).call(
-                probe.kind, request, probe.tensors, CHECK_TIMEOUT_S
-            )
-        except Exception as e:  # noqa: BLE001 - try again later
-            logger.info("verifying the accusation of %s: it did not answer (%s)", peer_id[-6:], e)
+        step = accused.step
+        mates = [
+            m
+            for m in self.view.stage_peers(accusation.stage)
+            if m.peer_id not in self.view.accused and m.last_info_ok and m.step == step
+        ]
+        if len(mates) < 2:
+            return  # not at its mates' step now (or too few mates to judge): later
+        chosen = [accused, *self.rng.sample(mates, 2)]
+        answers = await asyncio.gather(*(self._probe(p.load.address, probe, step) for p in chosen))
+        if any(a is None for a in answers):
             return
-        theirs = answer(probe.kind, response, output)
-        mates = []
-        exclude = {peer_id}
-        for _ in range(2):
-            other = await self._other(
-                accusation.stage, probe.kind, probe.request, probe.tensors, probe.samples, exclude
-            )
-            if other is None:
-                break
-            exclude.add(other[2].peer_id)
-            mates.append((answer(probe.kind, other[0], other[1]), other[2].peer_id))
-        if len(mates) < 2 or theirs is None or mates[0][0] is None or mates[1][0] is None:
+        if len({peer_step for _, peer_step in answers}) > 1:
+            logger.debug("verifying %s: the answers are of different steps; later", peer_id[-6:])
             return
-        errors = [relative_error(theirs, m) for m, _ in mates]
-        mates_agree = relative_error(mates[0][0], mates[1][0]) <= self.tolerance
+        theirs, first, second = (a for a, _ in answers)
+        errors = [relative_error(theirs, first), relative_error(theirs, second)]
+        witnesses = [m.peer_id for m in chosen[1:]]
+        mates_agree = relative_error(first, second) <= self.tolerance
         if mates_agree and min(errors) > self.tolerance:
             self.stats.accusations_confirmed += 1
             confirmed = accusation.copy(update={"error": min(min(errors), 1e6), "time": time.time()})
-            confirmed.witnesses = [p for _, p in mates]
+            confirmed.witnesses = witnesses
             self._banned(peer_id, "confirmed", confirmed)
             self.mine.append(confirmed)
             await self.publish()
@@ -305,6 +318,18 @@ class Honesty:
                     "(a false accusation, or it lies only sometimes); it still gets no work",
                     peer_id[-6:], accusation.stage,
                 )  # fmt: skip
+
+    async def _probe(self, address: str, probe: Probe, step: int) -> tuple[torch.Tensor, int] | None:
+        """The answer of the peer at `address` to `probe` for `step`, and the step it was at."""
+        request = self._check_request(probe.kind, probe.request)
+        request.step = step
+        try:
+            response, output = await self.clients.get(address).call(probe.kind, request, probe.tensors, CHECK_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - try again later
+            logger.info("verifying an accusation: %s did not answer (%s)", address, e)
+            return None
+        got = answer(probe.kind, response, output)
+        return None if got is None else (got, int(response.peer_step))
 
     async def run(self) -> None:
         last_publish = time.monotonic()

@@ -275,7 +275,7 @@ class Trainer:
                 w.cancel()
 
     def _on_step(self, step: int | None) -> None:
-        if not self.reporter.progress(step):
+        if not self.reporter.progress(step, self.honesty.stats.progress()):
             return
         cfg = self.cfg
         if cfg.val_every and cfg.trainer_index == 0 and step and step % cfg.val_every == 0 and step < cfg.steps:

@@ -66,8 +66,9 @@ class Reporter:
     def samples_per_s(self) -> float:
         return self.stats.samples / max(1e-9, time.monotonic() - self.t_start)
 
-    def progress(self, step: int | None) -> bool:
-        """Report a new global step; True when it is one (the caller may validate then)."""
+    def progress(self, step: int | None, extra: dict | None = None) -> bool:
+        """Report a new global step (with `extra` figures in its line); True when it is one (the
+        caller may validate then)."""
         if step is None or step == self.last_step:
             return False
         self.last_step = step
@@ -82,6 +83,7 @@ class Reporter:
             "samples": self.stats.samples,
             "samples_per_s": self.samples_per_s(),
             "retries": self.stats.retries,
+            **(extra or {}),
         }
         if self.json_progress:
             print(PROGRESS_PREFIX + json.dumps(line), flush=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import glob
 import json
 import threading
 import time
@@ -143,3 +144,49 @@ def assert_ledger_exact(swarm, sample_logs: str | None = None):
     report = ledger_report(swarm, sample_logs)
     assert report.ok and report.checked > 0, format_report(report)
     return report
+
+
+def logged_batches(pattern: str) -> dict[int, list[int]]:
+    """Each step's samples, from the trainers' sample logs (a contribution logged twice, by a
+    restarted trainer, counts once)."""
+    seen: dict[str, tuple[int, list[int]]] = {}
+    for path in sorted(glob.glob(pattern)):
+        with open(path) as f:
+            for line in f:
+                rec = json.loads(line)
+                seen[rec["cid"]] = (rec["step"], rec["indices"])
+    batches: dict[int, list[int]] = {}
+    for step, indices in seen.values():
+        batches.setdefault(step, []).extend(indices)
+    return batches
+
+
+def single_process_val_loss(run, batches: dict[int, list[int]], val_samples: int) -> float:
+    """The validation loss after training `run`'s model in one process on `batches` (step -> its
+    samples) with the project's own stage modules and optimizer: what an honest swarm in exact mode
+    reaches (equal within float error: test_exact_mode.py checks the swarm against plain torch)."""
+    import torch
+
+    from swarm.training.data import DataConfig, load_dataset, val_indices
+    from swarm.training.models import build_stage
+    from swarm.training.optim import apply_update, build_optimizer
+
+    stages = [build_stage(run.model, k, run.num_stages).module for k in range(run.num_stages)]
+    optimizers = [build_optimizer(module, run.optim) for module in stages]
+    dataset = load_dataset(run.data if isinstance(run.data, DataConfig) else DataConfig(**run.data), run.model)
+
+    def losses(x, y):  # one loss per sample, as the last stage reports them
+        for module in stages[:-1]:
+            x = module(x)
+        return stages[-1](x, y)
+
+    for step in sorted(batches):
+        x, y = dataset.train(batches[step])
+        for opt in optimizers:
+            opt.zero_grad()
+        losses(x, y).mean().backward()  # the stages average per-sample gradients over the global batch
+        for opt in optimizers:
+            apply_update(opt, run.optim, step)  # the step's learning rate, each stage's own clipping
+    with torch.no_grad():
+        x, y = dataset.val(val_indices(dataset, val_samples))
+        return float(losses(x, y).mean())

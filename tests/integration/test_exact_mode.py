@@ -4,7 +4,6 @@ The oracle below is plain torch: the unsplit model, AdamW, the warmup+cosine sch
 clipping written out here, fed the samples the trainers logged for each step.
 """
 
-import glob
 import json
 import math
 import signal
@@ -14,7 +13,14 @@ import torch
 import torch.nn.functional as F
 
 from swarm.training.models import GPT, GPTConfig
-from tests.integration.helpers import TINY_GPT, assert_ledger_exact, fetch_state, start_training, write_tokens
+from tests.integration.helpers import (
+    TINY_GPT,
+    assert_ledger_exact,
+    fetch_state,
+    logged_batches,
+    start_training,
+    write_tokens,
+)
 
 STEPS, B, MB, LR, WARMUP, CLIP, WD = 80, 16, 4, 1e-2, 2, 0.5, 0.01
 STAGE_PREFIXES = [("tok_emb", "pos_emb", "blocks.0."), ("blocks.1.",), ("blocks.2.", "ln_f", "head")]
@@ -57,21 +63,6 @@ def run_options(tmp_path) -> list[str]:
         "--warmup-steps", str(WARMUP), "--total-steps", str(STEPS), "--clip-norm", str(CLIP),
         "--weight-decay", str(WD),
     ]  # fmt: skip
-
-
-def logged_batches(pattern: str) -> dict[int, list[int]]:
-    """Each step's samples, from the trainers' sample logs (a contribution logged twice, by a
-    restarted trainer, counts once)."""
-    seen: dict[str, tuple[int, list[int]]] = {}
-    for path in sorted(glob.glob(pattern)):
-        with open(path) as f:
-            for line in f:
-                rec = json.loads(line)
-                seen[rec["cid"]] = (rec["step"], rec["indices"])
-    batches: dict[int, list[int]] = {}
-    for step, indices in seen.values():
-        batches.setdefault(step, []).extend(indices)
-    return batches
 
 
 def assert_equals_oracle(swarm, tokens: torch.Tensor, batches: dict[int, list[int]]) -> None:

@@ -39,3 +39,45 @@ def test_status_of_error_type(error, code):
     got, details = status_of(error)
     assert got == code
     assert details
+
+
+@pytest.mark.parametrize(
+    ("step", "mates_step", "error"),
+    [
+        (7, 5, None),  # within this peer's bound (5 + 2)
+        (8, 5, RequestInvalid),  # ahead of the whole stage: every peer would refuse it
+        (60, 59, StepNotReady),  # this peer is behind its stage (it just entered it): a mate takes it
+        (-1, 59, RequestInvalid),
+    ],
+)
+def test_a_step_too_far_ahead_is_the_requests_fault_only_if_no_mate_takes_it(step, mates_step, error):
+    """A peer at step 5 (it moved in and downloaded a state a moment ago) whose mates are at
+    `mates_step`: a request it cannot take is refused as a peer's transient state (retried on a
+    mate) when the stage takes it; a trainer once dropped such a microbatch and the stage waited for
+    its samples for ever."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from swarm.peer.server import StageService
+    from swarm.peer.serving import Limits, ServingState
+    from swarm.wire.protocol import pb
+
+    serving = ServingState("run", "peer", "0")
+    serving.mates_step = mates_step
+    service = StageService(serving, Limits(max_steps_ahead=2))
+    msg = pb.ForwardRequest(run_id="run", stage=0, step=step, reply_codec=pb.CODEC_NONE)
+
+    async def no_parts():
+        return
+        yield
+
+    async def first():
+        parts = service._compute("forward", msg, SimpleNamespace(step=5), None, None, no_parts(), {})
+        return [p async for p in parts]
+
+    if error is None:
+        assert asyncio.run(first()) == []
+    else:
+        with pytest.raises(error) as caught:
+            asyncio.run(first())
+        assert type(caught.value) is error

@@ -63,3 +63,114 @@ def test_the_outlier_rule_spares_honest_noise_and_needs_three():
 def test_the_norm_travels_in_the_frozen_list():
     s = snap(2.5)
     assert snapshot_of(contributions_response("a", s)).grad_norm == 2.5
+
+
+class _Peers:
+    """A stage of peers as a trainer's view and channels see them: each answers a probe with
+    `answers[peer](step)` and the step it is at."""
+
+    def __init__(self, steps: dict[str, int], answers: dict) -> None:
+        from types import SimpleNamespace
+
+        self.steps, self.answers, self.requests = steps, answers, []
+        self.accused: dict = {}
+        self._load = {p: SimpleNamespace(address=p) for p in steps}
+
+    # the view
+    @property
+    def peers(self) -> dict:
+        from types import SimpleNamespace
+
+        return {
+            p: SimpleNamespace(peer_id=p, stage=0, step=s, last_info_ok=1.0, load=self._load[p])
+            for p, s in self.steps.items()
+        }
+
+    def is_live(self, status) -> bool:
+        return True
+
+    def stage_peers(self, stage: int):
+        return list(self.peers.values())
+
+    def stage_step(self, stage: int) -> int:
+        return max(self.steps.values())
+
+    # the channels
+    def get(self, address: str):
+        peers = self
+
+        class Client:
+            async def call(self, kind, request, tensors, timeout):
+                peers.requests.append((address, request.step))
+                out = peers.answers[address](request.step)
+                return pb.ForwardResponse(peer_step=peers.steps[address]), WireTensor.encode(out, pb.CODEC_NONE)
+
+        return Client()
+
+
+def _honesty(peers: _Peers, accused: str):
+    import collections
+    import time
+
+    from swarm.dht.records import Accusation
+    from swarm.trainer.honesty import Honesty, Probe
+
+    class DHT:
+        def publish_accusations(self, record, ttl) -> bool:
+            return True
+
+    h = Honesty(peers, None, peers, DHT(), "t0", 0.25, 1e-3, collections.Counter())
+    h.probes[0] = Probe("forward", pb.ForwardRequest(request_id="r", run_id="run", stage=0, step=9), {}, 4)
+    accusation = Accusation(
+        accused=accused, stage=0, step=3, kind="forward", input_digest="0" * 32, accused_digest="1" * 32,
+        majority_digest="2" * 32, error=0.4, witnesses=["b", "c"], time=time.time(),
+    )  # fmt: skip
+    peers.accused[accused] = accusation
+    return h, accusation
+
+
+def test_an_accusation_is_confirmed_only_with_answers_of_one_step():
+    import asyncio
+
+    torch.manual_seed(0)
+    truth = {s: torch.randn(4, 8) for s in range(20)}  # the parameters of each step give other answers
+    lies = {s: t + 0.5 * torch.randn(4, 8) for s, t in truth.items()}
+    peers = _Peers({"liar": 3, "b": 4, "c": 4}, {"liar": lies.get, "b": truth.get, "c": truth.get})
+    h, accusation = _honesty(peers, "liar")
+    asyncio.run(h.verify("liar", accusation))  # a step behind its mates (left out of update 3): not now
+    assert peers.requests == [] and h.stats.banned == {}
+    peers.steps["liar"] = 4  # it downloaded a mate's state: the three at step 4
+    asyncio.run(h.verify("liar", accusation))
+    assert sorted(peers.requests) == [("b", 4), ("c", 4), ("liar", 4)]  # the probe for that step, to all three
+    assert h.stats.banned["liar"]["how"] == "confirmed" and h.stats.accusations_confirmed == 1
+
+
+def test_an_honest_accused_that_agrees_at_its_mates_step_is_not_banned():
+    import asyncio
+
+    torch.manual_seed(0)
+    truth = {s: torch.randn(4, 8) for s in range(20)}
+    peers = _Peers({"a": 6, "b": 6, "c": 6}, {"a": truth.get, "b": truth.get, "c": truth.get})
+    h, accusation = _honesty(peers, "a")
+    asyncio.run(h.verify("a", accusation))
+    asyncio.run(h.verify("a", accusation))
+    assert h.stats.banned == {} and h.stats.accusations_rejected == 1 and "a" in h.verified
+
+
+def test_answers_computed_at_different_steps_prove_nothing():
+    import asyncio
+
+    torch.manual_seed(0)
+    truth = {s: torch.randn(4, 8) for s in range(20)}
+
+    class Racing(_Peers):
+        def get(self, address: str):  # the mates apply update 6 while the probe is on its way
+            if address != "a":
+                self.steps[address] = 7
+            return super().get(address)
+
+    at_7 = lambda s: truth[7]  # noqa: E731 - computed with the parameters of step 7
+    peers = Racing({"a": 6, "b": 6, "c": 6}, {"a": truth.get, "b": at_7, "c": at_7})
+    h, accusation = _honesty(peers, "a")
+    asyncio.run(h.verify("a", accusation))  # the mates agree with each other, not with the honest accused
+    assert h.stats.banned == {} and h.stats.accusations_confirmed == 0 and not h._agreeing

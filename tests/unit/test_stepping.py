@@ -81,6 +81,9 @@ class _Mates:
     async def refresh_view(self) -> None:
         return None
 
+    def is_accused(self) -> bool:
+        return False
+
     def event(self, kind: str, **fields) -> None:
         self.events.append((kind, fields))
 
