@@ -16,7 +16,7 @@ from swarm.netlab import check_available
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.xdist_group("netlab")]  # one lab at a time
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def test_compose_file_trains(tmp_path):

@@ -19,7 +19,7 @@ def _labs_available():
     check_available()
 
 
-pytestmark = [pytest.mark.timeout(60), pytest.mark.xdist_group("netlab")]  # one lab at a time
+pytestmark = pytest.mark.timeout(60)
 
 PY = sys.executable
 PORT = 5000

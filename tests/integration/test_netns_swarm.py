@@ -12,7 +12,7 @@ import pytest
 from swarm.netlab import check_available, naming
 from tests.integration.helpers import run_args, start_training
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.xdist_group("netlab")]  # one lab at a time
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(autouse=True, scope="module")

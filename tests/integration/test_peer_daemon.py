@@ -14,7 +14,7 @@ from swarm.core.procs import ManagedProcess
 from swarm.netlab import NetLab, check_available
 from tests.integration.helpers import assert_all_reaped, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(400), pytest.mark.xdist_group("netlab")]  # one lab at a time
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 PY = sys.executable
 
