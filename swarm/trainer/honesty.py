@@ -48,6 +48,10 @@ REPUBLISH_S = 60.0
 VERIFY_PERIOD_S = 0.25  # how often a trainer tries to verify the accusations it has not judged yet
 VERIFY_PROBES = 2  # agreeing answers from the accused that reject an accusation
 CHECK_TIMEOUT_S = 30.0
+# a mismatch between answers computed at different steps is asked again, at once, up to this many
+# times this far apart: a peer catching up with its mates (a failed all-reduce, a download) takes ~1 s
+STEP_ROUNDS = 6
+STEP_ROUND_WAIT_S = 0.3
 
 
 def default_tolerance(codec_id: int, exact: bool) -> float:
@@ -167,11 +171,20 @@ class Honesty:
         return copy
 
     async def _other(self, stage: int, kind: str, request, tensors, samples: int, exclude: set[str]):
-        """The same request answered by another peer of the stage; None when there is none."""
+        """The same request answered by another peer of the stage, chosen at random (not the one the
+        wiring prefers: under light load it sends nearly all work to the fastest peer, and checks
+        must cover every peer of the stage); None when there is none."""
+        eligible = self.router.wiring.eligible(self.view.stage_loads(stage), time.monotonic(), exclude)
+        others = {p.peer_id for p in eligible}
+        if len(others) > 1:
+            others.discard(self.rng.choice(sorted(others)))  # every other eligible peer is left out
+        else:
+            others = set()
         try:
             response, output, peer = await self.router.call(
-                stage, self._check_request(kind, request), tensors, samples, kind, exclude=set(exclude), retry_limit=1
-            )
+                stage, self._check_request(kind, request), tensors, samples, kind, exclude=exclude | others,
+                retry_limit=1,
+            )  # fmt: skip
         except (StageUnavailable, MicrobatchFailed, MicrobatchRejected) as e:
             logger.info("spot check on stage %d found no other peer to answer: %s", stage, e)
             return None
@@ -191,10 +204,14 @@ class Honesty:
             return first
         self.stats.spot_checks += 1
         theirs = answer(kind, second[0], second[1])
-        error = relative_error(mine, theirs) if theirs is not None else float("inf")
-        if error <= self.tolerance:
-            self.stats.max_agreeing_error = max(self.stats.max_agreeing_error, error)
+        pair = [(mine, int(response.peer_step)), (theirs, int(second[0].peer_step))]
+        if theirs is not None and not self._agree(mine, theirs):
+            # in async mode a peer that applied an update a moment before its mate answers with
+            # other parameters: the two are asked again until they answer at one step
+            (mine, _), (theirs, _) = pair = await self._at_one_step(kind, request, tensors, [peer, second[2]], pair)
+        if theirs is not None and self._agree(mine, theirs):
             return first
+        error = relative_error(mine, theirs) if theirs is not None else float("inf")
         self.stats.mismatches += 1
         self.stats.mismatches_by_peer.update([peer.peer_id, second[2].peer_id])
         third = await self._other(stage, kind, request, tensors, samples, {peer.peer_id, second[2].peer_id})
@@ -202,6 +219,11 @@ class Honesty:
         if verdict is None:
             self._disputed(stage, kind, peer, second[2], error, "no third peer to decide")
             return first
+        if theirs is not None:
+            trio = await self._at_one_step(
+                kind, request, tensors, [peer, second[2], third[2]], [*pair, (verdict, int(third[0].peer_step))]
+            )
+            (mine, _), (theirs, _), (verdict, _) = trio
         first_ok = relative_error(mine, verdict) <= self.tolerance
         second_ok = theirs is not None and relative_error(theirs, verdict) <= self.tolerance
         evidence = (request, tensors)
@@ -214,6 +236,28 @@ class Honesty:
             return first
         self._disputed(stage, kind, peer, second[2], error, "three different answers")
         return first
+
+    def _agree(self, a: torch.Tensor, b: torch.Tensor) -> bool:
+        error = relative_error(a, b)
+        if error <= self.tolerance:
+            self.stats.max_agreeing_error = max(self.stats.max_agreeing_error, error)
+            return True
+        return False
+
+    async def _at_one_step(self, kind: str, request, tensors, peers: list[PeerLoad], answers: list[tuple]) -> list:
+        """`answers` ((answer, the step it was computed at), one per peer) if they are of one step;
+        else the peers' answers to the request asked again, at once, until they are (at most
+        STEP_ROUNDS times), or the last ones: a peer cannot escape a check by claiming another step."""
+        probe = Probe(kind, request, tensors, 0)
+        for _ in range(STEP_ROUNDS):
+            if len({step for _, step in answers}) <= 1:
+                break
+            await asyncio.sleep(STEP_ROUND_WAIT_S)
+            again = await asyncio.gather(*(self._probe(p.address, probe) for p in peers))
+            if any(a is None for a in again):
+                break
+            answers = list(again)
+        return answers
 
     def _disputed(self, stage: int, kind: str, a: PeerLoad, b: PeerLoad, error: float, why: str) -> None:
         self.stats.disputed += 1
@@ -319,10 +363,12 @@ class Honesty:
                     peer_id[-6:], accusation.stage,
                 )  # fmt: skip
 
-    async def _probe(self, address: str, probe: Probe, step: int) -> tuple[torch.Tensor, int] | None:
-        """The answer of the peer at `address` to `probe` for `step`, and the step it was at."""
+    async def _probe(self, address: str, probe: Probe, step: int | None = None) -> tuple[torch.Tensor, int] | None:
+        """The answer of the peer at `address` to `probe` (for `step`, if given), and the step it
+        was at."""
         request = self._check_request(probe.kind, probe.request)
-        request.step = step
+        if step is not None:
+            request.step = step
         try:
             response, output = await self.clients.get(address).call(probe.kind, request, probe.tensors, CHECK_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - try again later

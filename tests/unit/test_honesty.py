@@ -1,5 +1,6 @@
 """Lying peers: the comparison of answers, the debug liar, and the stage's gradient-norm outlier rule."""
 
+import collections
 import math
 
 import torch
@@ -174,3 +175,134 @@ def test_answers_computed_at_different_steps_prove_nothing():
     h, accusation = _honesty(peers, "a")
     asyncio.run(h.verify("a", accusation))  # the mates agree with each other, not with the honest accused
     assert h.stats.banned == {} and h.stats.accusations_confirmed == 0 and not h._agreeing
+
+
+class _Stage:
+    """Peers of a stage as a trainer's router and channels see them: `state[peer]` gives (the step
+    it answers at, its answer) when asked; every call is recorded."""
+
+    def __init__(self, state) -> None:
+        from swarm.policy.wiring import PeerLoad, Wiring
+
+        self.state, self.calls, self.wiring = state, [], Wiring()
+        self.loads = {p: PeerLoad(peer_id=p, stage=0, address=p) for p in ("a", "b", "c")}
+
+    def stage_loads(self, stage: int):  # the view
+        return list(self.loads.values())
+
+    def respond(self, peer: str):
+        step, out = self.state(peer)
+        self.calls.append(peer)
+        return pb.ForwardResponse(peer_step=step), WireTensor.encode(out, pb.CODEC_NONE)
+
+    async def call(self, stage, request, tensors, samples, kind, exclude=(), retry_limit=None):  # the router
+        import time
+
+        peer = self.wiring.choose(self.stage_loads(stage), samples, time.monotonic(), set(exclude))
+        return (*self.respond(peer.peer_id), peer)
+
+    def get(self, address: str):  # the channels
+        stage = self
+
+        class Client:
+            async def call(self, kind, request, tensors, timeout):
+                return stage.respond(address)
+
+        return Client()
+
+
+def _checker(stage: _Stage, monkeypatch):
+    import collections
+
+    from swarm.trainer import honesty
+    from swarm.trainer.honesty import Honesty
+
+    monkeypatch.setattr(honesty, "STEP_ROUND_WAIT_S", 0.0)
+
+    class DHT:
+        def publish_accusations(self, record, ttl) -> bool:
+            return True
+
+    class View:
+        accused: dict = {}
+
+        def stage_step(self, stage: int) -> int:
+            return 0
+
+        def stage_loads(self, stage: int):
+            return stage_.stage_loads(stage)
+
+    stage_ = stage
+    h = Honesty(View(), stage, stage, DHT(), "t0", 1.0, 0.1, collections.Counter())
+    request = pb.ForwardRequest(request_id="r", run_id="run", stage=0, step=7)
+    return h, lambda: asyncio_run(h.check(0, "forward", request, {}, 4, (*stage.respond("a"), stage.loads["a"])))
+
+
+def asyncio_run(coro):
+    import asyncio
+
+    return asyncio.run(coro)
+
+
+def test_answers_of_two_steps_are_asked_again_at_one_step_before_anyone_is_blamed(monkeypatch):
+    """Async mode: `a` applied update 6 a moment before its mates, whose answers for step 7 are
+    predictions (further apart than the tolerance); asked again, all three answer at step 7."""
+    torch.manual_seed(0)
+    real, predicted = torch.randn(4, 8), torch.randn(4, 8)
+    caught_up = set()
+
+    def state(peer):
+        if peer == "a" or peer in caught_up:
+            return 7, real
+        caught_up.add(peer)  # b and c apply update 6 right after their first answer
+        return 6, predicted
+
+    stage = _Stage(state)
+    h, check = _checker(stage, monkeypatch)
+    check()
+    assert h.stats.banned == {} and h.stats.mismatches == 0 and h.stats.spot_checks == 1
+    mate = stage.calls[1]
+    assert mate in ("b", "c") and stage.calls == ["a", mate, "a", mate]  # the pair asked again, at once
+
+
+def test_a_liar_claiming_another_step_is_still_caught(monkeypatch):
+    torch.manual_seed(0)
+    truth = torch.randn(4, 8)
+
+    def state(peer):
+        return (8, truth + torch.randn(4, 8)) if peer == "a" else (7, truth)
+
+    stage = _Stage(state)
+    h, check = _checker(stage, monkeypatch)
+    assert check()[2].peer_id == stage.calls[1] != "a"  # the majority's answer goes on
+    assert h.stats.banned["a"]["how"] == "caught" and h.stats.mismatches_by_peer == {"a": 1, stage.calls[1]: 1}
+
+
+def test_a_mismatch_at_one_step_is_judged_at_once(monkeypatch):
+    torch.manual_seed(0)
+    truth = torch.randn(4, 8)
+
+    def state(peer):
+        return (7, truth + torch.randn(4, 8)) if peer == "a" else (7, truth)
+
+    stage = _Stage(state)
+    h, check = _checker(stage, monkeypatch)
+    assert check()[2].peer_id != "a"
+    assert h.stats.banned["a"]["how"] == "caught"
+    assert stage.calls[0] == "a" and sorted(stage.calls[1:]) == ["b", "c"]  # nobody asked again
+
+
+def test_the_checking_peer_is_any_mate_not_the_one_the_wiring_prefers(monkeypatch):
+    """Under light load the wiring sends nearly all work to its fastest peer; a peer it starves
+    must still be checked (a liar with little work was caught at step 18 of 20 in a test run)."""
+    torch.manual_seed(0)
+    truth = torch.randn(4, 8)
+    stage = _Stage(lambda peer: (7, truth))
+    stage.loads["b"].throughput = 1000.0  # the wiring's choice every time
+    h, check = _checker(stage, monkeypatch)
+    seen = collections.Counter()
+    for _ in range(40):
+        stage.calls.clear()
+        check()
+        seen[stage.calls[1]] += 1
+    assert set(seen) == {"b", "c"} and min(seen.values()) >= 8, seen
