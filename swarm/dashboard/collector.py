@@ -48,6 +48,9 @@ def _model_name(spec: dict) -> str:
     return str(spec.get("factory", kind)) if kind == "custom" else str(kind)
 
 
+SEEN_EVENTS_MAX = 65_536  # 16 events per peer on the DHT: room for 4,096 peers
+
+
 class LiveSource:
     """A `StateSource` (swarm.dashboard.source) over a live swarm. Give it a DHT node created on a
     thread that outlives it (hivemind's DHT process dies with its creating thread)."""
@@ -60,7 +63,9 @@ class LiveSource:
         self.routine_events: collections.deque[dict] = collections.deque(maxlen=MAX_ROUTINE_EVENTS)
         self.events_total: collections.Counter[str] = collections.Counter()
         self.history: dict[str, list] = {k: [] for k in HISTORY_KEYS}
-        self._seen_events: set[tuple] = set()
+        # events already counted, oldest first; bounded: an event drops off the DHT (16 per peer, with a TTL)
+        # long before SEEN_EVENTS_MAX newer ones push it out of here
+        self._seen_events: collections.OrderedDict[tuple, None] = collections.OrderedDict()
         self._accused: set[str] = set()
         self._dead: set[str] = set()
         self._failures: dict[tuple[str, str], int] = {}  # (trainer, peer suffix) -> failed calls
@@ -90,7 +95,9 @@ class LiveSource:
         key = (round(t, 3), kind, peer_id)
         if key in self._seen_events:
             return
-        self._seen_events.add(key)
+        self._seen_events[key] = None
+        if len(self._seen_events) > SEEN_EVENTS_MAX:
+            self._seen_events.popitem(last=False)
         kept = self.routine_events if kind in ROUTINE_EVENTS else self.events
         kept.appendleft({"time": t, "kind": kind, "peer_id": peer_id, "detail": detail})
         self.events_total[kind] += 1
