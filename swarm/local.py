@@ -275,12 +275,11 @@ class LocalSwarm:
         if self.dashboard is not None:
             self.dashboard.stop()
             self.dashboard = None
-        procs = self.all_processes()
-        threads = [threading.Thread(target=p.stop, kwargs={"timeout": 15.0}) for p in procs]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        # clients before servers: a trainer's graceful stop (its last validation, releasing what it holds)
+        # needs live peers; stopped together, it waited on dying peers until it was killed
+        trainers = [p for p in self.trainers if p is not None]
+        _stop_all(trainers)
+        _stop_all([p for p in self.all_processes() if p not in trainers])
         if self.lab is not None:
             self.lab.close()  # and every process still in its namespaces
 
@@ -289,6 +288,15 @@ class LocalSwarm:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _stop_all(procs: list[ManagedProcess], timeout_s: float = 15.0) -> None:
+    """Stop these processes at once (SIGTERM, SIGKILL after `timeout_s`), each from its own thread."""
+    threads = [threading.Thread(target=p.stop, kwargs={"timeout": timeout_s}) for p in procs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 
 
 class ProgressPrinter:
