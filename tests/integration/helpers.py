@@ -103,13 +103,24 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
 
 
 def fetch_state(address: str, run_id: str, stage: int, timeout: float = 60.0) -> dict:
-    """A peer's full training state, over the wire contract's GetState."""
+    """A peer's full training state, over the wire contract's GetState. A peer answers
+    RESOURCE_EXHAUSTED to a second GetState from one host within `state_call_interval_s` (1 s):
+    like any client, this one comes back after that interval, until `timeout`."""
+    import grpc
+
     from swarm.peer.state_transfer import download_state
 
     async def go():
         client = StageClient(address)
+        deadline = time.monotonic() + timeout
         try:
-            return await download_state(client, run_id, stage, timeout, 1 << 30)
+            while True:
+                try:
+                    return await download_state(client, run_id, stage, max(1.0, deadline - time.monotonic()), 1 << 30)
+                except grpc.aio.AioRpcError as e:
+                    if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(1.0)
         finally:
             await client.close()
 
