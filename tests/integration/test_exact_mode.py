@@ -33,8 +33,8 @@ def lr_at(step: int) -> float:
     return LR * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def oracle(tokens: torch.Tensor, batches: dict[int, list[int]]) -> dict[str, torch.Tensor]:
-    model = GPT(GPTConfig(**{k: v for k, v in TINY_GPT.items() if k != "kind"}))
+def oracle(tokens: torch.Tensor, batches: dict[int, list[int]], dtype=torch.float32) -> dict[str, torch.Tensor]:
+    model = GPT(GPTConfig(**{k: v for k, v in TINY_GPT.items() if k != "kind"})).to(dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=WD)
     L = TINY_GPT["seq_len"]
     groups = [[p for n, p in model.named_parameters() if n.startswith(prefixes)] for prefixes in STAGE_PREFIXES]
@@ -65,10 +65,24 @@ def run_options(tmp_path) -> list[str]:
     ]  # fmt: skip
 
 
+def max_elem_error(value: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((value.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-12)).item()
+
+
 def assert_equals_oracle(swarm, tokens: torch.Tensor, batches: dict[int, list[int]]) -> None:
-    """Every live peer's parameters equal the oracle's within 1e-4 relative."""
+    """Every live peer's parameters equal the oracle's within 1e-4 relative (||swarm - oracle|| /
+    ||oracle|| per parameter tensor), and no single element is further from exact arithmetic than
+    plain torch's own float32 training is.
+
+    Why two measures: the largest single-element difference is at float32's floor. Over these 80
+    AdamW steps the float32 oracle itself ends up to 1.7e-4 of max|w| from the same training in
+    float64 on an AVX-512 machine (an element whose gradient is a near-cancelling sum: its rounding
+    decides the sign of an Adam step), so a 1e-4 bar on it would fail plain torch too. The swarm is
+    held to the float64 result instead: its worst element at most twice the float32 oracle's."""
     expected = oracle(tokens, batches)
-    errors = []
+    exact = oracle(tokens, batches, torch.float64)
+    floor = max(max_elem_error(expected[k], exact[k]) for k in exact)
+    errors, elem_errors = [], []
     live = [p for p in swarm.peers if p.alive()]
     for peer in live:
         state = fetch_state(peer.ready["address"], swarm.run_id, peer.ready["stage"])
@@ -76,11 +90,18 @@ def assert_equals_oracle(swarm, tokens: torch.Tensor, batches: dict[int, list[in
         for name, value in state["model"].items():
             ref = expected[name]
             rel = ((value - ref).norm() / ref.norm().clamp_min(1e-12)).item()
-            worst = ((value - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
-            errors.append((max(rel, worst), peer.name, name))
+            errors.append((rel, peer.name, name))
+            elem_errors.append((max_elem_error(value, exact[name]), peer.name, name))
     errors.sort(reverse=True)
+    elem_errors.sort(reverse=True)
     print("largest relative errors:", errors[:3])
+    print(f"largest element errors against float64 (float32 oracle's: {floor:.3g}):", elem_errors[:3])
     assert errors and errors[0][0] <= 1e-4, f"peer {errors[0][1]} {errors[0][2]}: relative error {errors[0][0]:.3g}"
+    worst = elem_errors[0]
+    assert worst[0] <= max(1e-4, 2 * floor), (
+        f"peer {worst[1]} {worst[2]}: an element {worst[0]:.3g} of max|w| from float64 training; "
+        f"plain float32 torch is {floor:.3g}"
+    )
     assert {p.ready["stage"] for p in live} == {0, 1, 2}
     init = GPT(GPTConfig(**{k: v for k, v in TINY_GPT.items() if k != "kind"})).state_dict()
     assert sum(not torch.allclose(init[k], expected[k]) for k in expected) >= len(expected) // 2
