@@ -78,7 +78,8 @@ def assert_equals_oracle(swarm, tokens: torch.Tensor, batches: dict[int, list[in
     AdamW steps the float32 oracle itself ends up to 1.7e-4 of max|w| from the same training in
     float64 on an AVX-512 machine (an element whose gradient is a near-cancelling sum: its rounding
     decides the sign of an Adam step), so a 1e-4 bar on it would fail plain torch too. The swarm is
-    held to the float64 result instead: its worst element at most twice the float32 oracle's."""
+    held to the float64 result instead: its worst element at most twice the float32 oracle's
+    distance from it (or 1e-4, whichever is larger)."""
     expected = oracle(tokens, batches)
     exact = oracle(tokens, batches, torch.float64)
     floor = max(max_elem_error(expected[k], exact[k]) for k in exact)
