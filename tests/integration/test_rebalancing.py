@@ -57,14 +57,36 @@ def near_best(st: dict, fraction: float = 0.75) -> bool:
     return achieved >= fraction * best_layout_throughput(st)
 
 
-def status_when(swarm, predicate):
-    """A wait_for condition: the status, if it satisfies `predicate`."""
+class status_when:  # noqa: N801 - used like a function, as a wait_for condition
+    """A wait_for condition: the status, if it satisfies `predicate`. It keeps the last status it saw,
+    so a timeout can say what the swarm looked like (`last_seen`)."""
 
-    def check():
-        st = status(swarm)
-        return st if predicate(st) else None
+    def __init__(self, swarm, predicate) -> None:
+        self.swarm, self.predicate = swarm, predicate
+        self.last: dict | None = None
 
-    return check
+    def __call__(self) -> dict | None:
+        self.last = status(self.swarm)
+        return self.last if self.predicate(self.last) else None
+
+    def last_seen(self) -> str:
+        if self.last is None:
+            return "no status"
+        peers = [
+            [(p["id"][-6:], p["state"], round(p["throughput"], 1)) for p in stage["peers"]]
+            for stage in self.last["stages"]
+        ]
+        moves = [(e["src"], e["dst"]) for e in self.last["events"] if e["event"] == "move"]
+        return f"layout {layout(self.last)}, peers {peers}, moves {moves}"
+
+
+def wait_for_status(swarm, predicate, timeout: float, what: str) -> dict:
+    """wait_for on the swarm's status; a timeout says what the status was last."""
+    check = status_when(swarm, predicate)
+    try:
+        return wait_for(check, timeout, what)
+    except TimeoutError as e:
+        raise TimeoutError(f"{e}; last seen: {check.last_seen()}") from None
 
 
 @pytest.mark.slow
@@ -86,7 +108,7 @@ def test_peers_move_off_a_crowded_stage_and_recover_after_a_kill(make_swarm, tmp
     swarm.start_trainers(on_line=progress)
     wait_for(lambda: progress.latest() >= 2, 120, "training to start")
     t0 = time.monotonic()
-    st = wait_for(status_when(swarm, lambda s: max(layout(s)) <= 2 and min(layout(s)) >= 1), 60, "a move off stage 0")
+    st = wait_for_status(swarm, lambda s: max(layout(s)) <= 2 and min(layout(s)) >= 1, 60, "a move off stage 0")
     print("moved within", round(time.monotonic() - t0, 1), "s; layout", layout(st))
     moves = [e for e in st["events"] if e["event"] == "move"]
     assert moves and moves[0]["src"] == 0
@@ -96,7 +118,7 @@ def test_peers_move_off_a_crowded_stage_and_recover_after_a_kill(make_swarm, tmp
     assert all(m["seconds"] < 60 for m in moves), moves
 
     # SIGKILL one peer of a stage that holds 2, from a fresh status
-    st = wait_for(status_when(swarm, lambda s: 2 in layout(s)), 60, "a stage of 2 peers")
+    st = wait_for_status(swarm, lambda s: 2 in layout(s), 60, "a stage of 2 peers")
     chosen_at = time.time()
     crowded = next(stage for stage in st["stages"] if layout({"stages": [stage]})[0] == 2)
     victim_id = next(p["id"] for p in crowded["peers"] if p["state"] == "online")
@@ -105,14 +127,11 @@ def test_peers_move_off_a_crowded_stage_and_recover_after_a_kill(make_swarm, tmp
     victim.send_signal(signal.SIGKILL)
     victim.wait(timeout=10)
 
-    def recovered():
-        s = status(swarm)
+    def recovered(s: dict) -> bool:
         counts = layout(s)
-        if sum(counts) != 4 or min(counts) < 1:
-            return None
-        return s if near_best(s) else None
+        return sum(counts) == 4 and min(counts) >= 1 and near_best(s)
 
-    st = wait_for(recovered, 60, "the 4 remaining peers to form a near-best assignment")
+    st = wait_for_status(swarm, recovered, 60, "the 4 remaining peers to form a near-best assignment")
     print("after the kill: layout", layout(st))
     wait_for(lambda: progress.latest() >= step_before_kill + 5, 120, "training to go on after the kill")
     with progress.lock:
@@ -141,11 +160,14 @@ def test_auto_placed_peers_spread_over_the_stages(make_swarm):
         p.wait_ready(120)
 
     def spread(s: dict) -> bool:
-        # the stages' costs differ (embedding, head and loss), so the best spread of 6 equal peers
-        # is not always 2,2,2: every stage served, none holding most peers, and near the best
-        # assignment's throughput by the peers' own measurements
+        # the stages' costs differ (embedding, head and loss), and the peers' benchmarks, run on 2
+        # shared cores, differ more: the best spread of 6 equal peers is not always 2,2,2, and where
+        # the stages' rates differ by ~4x it holds 4 peers on one stage (tests/unit/test_rebalance.py
+        # shows such rates; a former "at most 3 per stage" here was wrong for them, and CI once timed
+        # out on it: a timeout now prints the last status). So: every stage served and near the
+        # best assignment's throughput by the peers' own measurements
         counts = layout(s)
-        return sum(counts) == 6 and min(counts) >= 1 and max(counts) <= 3 and near_best(s)
+        return sum(counts) == 6 and min(counts) >= 1 and near_best(s)
 
-    st = wait_for(status_when(swarm, spread), 60, "the auto-placed peers to spread over the stages")
+    st = wait_for_status(swarm, spread, 60, "the auto-placed peers to spread over the stages")
     print("layout", layout(st), "stage throughputs", [round(stage["throughput"]) for stage in st["stages"]])

@@ -94,6 +94,31 @@ def test_rebalanced_swarm_is_near_the_best_assignment():
         assert achieved >= 0.75 * best_assignment_throughput(throughputs, num_stages)
 
 
+def test_joined_then_rebalanced_peers_reach_the_best_layout_for_their_stage_rates():
+    """Six peers that run each stage at that stage's rate (identical peers, stages of unequal cost)
+    join where they add most and rebalance by single moves: they reach the best layout's throughput
+    (the default threshold), and where the stages' rates differ by ~4x the best layout puts 4 of
+    the 6 on one stage, so 'spread' means near the best throughput, not at most 3 per stage."""
+    rng = random.Random(2)
+    crowded = 0
+    for _ in range(300):
+        rates = [rng.uniform(200.0, 3000.0) for _ in range(3)]
+        peers: list[PeerInfo] = []
+        for i in range(6):
+            stage = join_stage(stage_totals(peers, 3), rng)
+            peers.append(PeerInfo(f"p{i}", stage, rates[stage]))
+        for _ in range(50):
+            move = plan_move(peers, 3)
+            if move is None:
+                break
+            peers = [PeerInfo(p.peer_id, move.dst, rates[move.dst]) if p.peer_id == move.peer_id else p for p in peers]
+        layouts = [c for c in itertools.product(range(1, 7), repeat=3) if sum(c) == 6]
+        best = max(min(n * r for n, r in zip(c, rates, strict=True)) for c in layouts)
+        assert min(stage_totals(peers, 3)) >= 0.999 * best, rates
+        crowded += max(sum(p.stage == k for p in peers) for k in range(3)) > 3
+    assert crowded > 0
+
+
 def test_stage_costs_decide_where_a_peer_helps():
     # stage 1 costs twice as much per sample: a peer there delivers half its stage-0 speed
     peers = swarm([4, 4, 4], [2])
