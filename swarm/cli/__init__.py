@@ -4,6 +4,8 @@ the tools that look at one (`tools`: local, status, export), the simulator (swar
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import signal
 import sys
 
 from swarm.core.errors import ConfigError
@@ -70,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = make_sim_parser() if argv[:1] == ["sim"] else make_parser()
     args = parser.parse_args(argv)
+    # `kill -USR1 PID` writes every thread's stack to the process's stderr (its log file under
+    # `swarm local`): for a process that seems stuck, without stopping it
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         return args.func(args) or 0
     except ConfigError as e:

@@ -53,6 +53,9 @@ logger = logging.getLogger(__name__)
 PROGRESS_WAIT_S = 0.5
 METRICS_PERIOD_S = 3.0  # a trainer's DHT record (for dashboards) is refreshed this often
 METRICS_TTL_S = 15.0
+# after SIGTERM/SIGINT the final validation gets this long: a stop must end well inside a process
+# supervisor's grace period (ManagedProcess waits 15 s) even when every peer is already gone
+STOPPED_VALIDATION_S = 5.0
 
 
 class Trainer:
@@ -310,6 +313,25 @@ class Trainer:
         cfg = self.cfg
         return await validation_loss(self.router, self.run, self.dataset, cfg.val_samples, self.codec, self.trainer_id)
 
+    async def _final_validation(self) -> float | None:
+        """The final validation loss (trainer 0). After a stop request it is bounded by
+        STOPPED_VALIDATION_S and may be left out (None): the stop comes first."""
+        if self.cfg.trainer_index != 0 or self.cfg.val_samples <= 0:
+            return None
+        if not self.stop_requested.is_set():
+            val_loss = await self.validate()
+        else:
+            try:
+                val_loss = await asyncio.wait_for(self.validate(), STOPPED_VALIDATION_S)
+            except TimeoutError:
+                logger.warning("stopping: final validation left out (no answer within %.0f s)", STOPPED_VALIDATION_S)
+                return None
+            except (MicrobatchFailed, StageUnavailable) as e:
+                logger.warning("stopping: final validation left out (%s)", e)
+                return None
+        logger.info("final validation loss %.4f", val_loss)
+        return val_loss
+
     async def _periodic_validation(self, step: int) -> None:
         try:
             loss = await self.validate()
@@ -332,10 +354,7 @@ class Trainer:
             self.pacer.restart(start_step)
             await self._train(self.cfg.steps)
             train_s = time.monotonic() - self.reporter.t_start
-            val_loss = None
-            if self.cfg.trainer_index == 0 and self.cfg.val_samples > 0:
-                val_loss = await self.validate()
-                logger.info("final validation loss %.4f", val_loss)
+            val_loss = await self._final_validation()
             steps = self.view.global_step() or 0
             summary = self.reporter.summary(steps, time.monotonic() - t0, train_s, val_loss)
             summary["stopped_early"] = self.stop_requested.is_set()

@@ -59,7 +59,9 @@ class Swarm:
             "--steps", "100000", "--dashboard-port", "0", "--log-dir", str(tmp_path / "logs"), *run_args(),
             "--trainer-arg=--val-every", "--trainer-arg=3", "--trainer-arg=--val-samples", "--trainer-arg=8",
         ]  # fmt: skip
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.stderr_path = tmp_path / "local.err"
+        with open(self.stderr_path, "w") as err:
+            self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True)
         self.lines: list[str] = []
         self.seen: set[int] = set()
         threading.Thread(target=self._read, daemon=True).start()
@@ -76,15 +78,33 @@ class Swarm:
         self.seen.update(k.pid for k in kids)
         return kids
 
+    def stderr_tail(self) -> str:
+        return self.stderr_path.read_text(errors="replace")[-3000:]
+
     def stop(self) -> None:
+        """Ctrl-C, as a user stops it: `swarm local` stops every process within the trainers' and
+        peers' grace periods (15 s each) without having to kill one, even when the swarm's peers are
+        gone already (then a trainer's final validation has nobody to ask: it is left out)."""
         self.descendants()
+        hung = None
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:
-                self.proc.wait(timeout=60)
+                self.proc.wait(timeout=45)
             except subprocess.TimeoutExpired:
+                self.proc.send_signal(signal.SIGUSR1)  # its threads' stacks, into local.err
+                time.sleep(1)  # not a synchronization: lets faulthandler write before the kill
                 self.proc.kill()
+                self.proc.wait(timeout=10)
+                hung = self.stderr_tail()
+        for pid in sorted(self.seen) if hung else []:  # not left behind for the next tests
+            try:
+                psutil.Process(pid).kill()
+            except psutil.Error:
+                pass
         assert_all_reaped([], sorted(self.seen))
+        assert hung is None, f"swarm local did not stop within 45 s of SIGINT:\n{hung}"
+        assert "did not stop within" not in self.stderr_tail(), self.stderr_tail()
 
 
 @pytest.fixture
