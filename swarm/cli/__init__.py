@@ -74,7 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # `kill -USR1 PID` writes every thread's stack to the process's stderr (its log file under
     # `swarm local`): for a process that seems stuck, without stopping it
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    try:
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    except (OSError, ValueError):  # stderr without a file descriptor (main() called in-process)
+        pass
     try:
         return args.func(args) or 0
     except ConfigError as e:
