@@ -44,30 +44,47 @@ def _stage_status(view: SwarmView, k: int) -> dict:
     return {"index": k, "peers": peers, "throughput": round(total, 3), "notes": notes, "fallbacks": fallbacks}
 
 
-async def collect_status(
-    run_id: str, initial_peers: list[str], max_events: int = 50, run_key: str | None = None, invite: str | None = None
-) -> dict:
-    dht = SwarmDHT(run_id, initial_peers, client_mode=True)
-    clients = ClientPool()
-    try:
+class StatusObserver:
+    """Reads the swarm's status as often as asked over one DHT client node and one client pool
+    (`swarm status` reads it once; a test that waits for a layout reads it every fraction of a second,
+    and a new DHT node per look would cost more than the look)."""
+
+    def __init__(self, dht: SwarmDHT, clients: ClientPool, run, keeper=None) -> None:
+        self.dht, self.clients, self.run = dht, clients, run
+        self.keeper = keeper  # renews a private swarm's credentials (None in an open swarm)
+        self.view = SwarmView(dht, run.num_stages, clients, info_timeout_s=3.0)
+
+    @classmethod
+    async def open(
+        cls, run_id: str, initial_peers: list[str], run_key: str | None = None, invite: str | None = None
+    ) -> StatusObserver:
+        dht = SwarmDHT(run_id, initial_peers, client_mode=True)
+        clients = ClientPool()
         loop = asyncio.get_running_loop()
-        signed, keeper = await loop.run_in_executor(
-            None, join_run, dht, CONFIG_TIMEOUT_S, run_key, invite, "observer", clients
-        )  # a wrong run id or key is a ConfigError: one line, exit code 2 (swarm.cli.main)
-        run = signed.run
-        view = SwarmView(dht, run.num_stages, clients, info_timeout_s=3.0)
+        try:
+            signed, keeper = await loop.run_in_executor(
+                None, join_run, dht, CONFIG_TIMEOUT_S, run_key, invite, "observer", clients
+            )  # a wrong run id or key is a ConfigError: one line, exit code 2 (swarm.cli.main)
+        except BaseException:
+            await clients.close()
+            await loop.run_in_executor(None, dht.shutdown)
+            raise
+        return cls(dht, clients, signed.run, keeper)
+
+    async def read(self, max_events: int = 50) -> dict:
+        view, run = self.view, self.run
         await view.refresh_dht()
         await view.poll_info(None)
         stages = [_stage_status(view, k) for k in range(run.num_stages)]
         bottleneck = min(stages, key=lambda st: st["throughput"])["index"] if stages else None
         events = []
-        for raw in await loop.run_in_executor(None, dht.get_events):
+        for raw in await asyncio.get_running_loop().run_in_executor(None, self.dht.get_events):
             try:
                 events.append(json.loads(raw))
             except ValueError:
                 continue
         return {
-            "run_id": run_id,
+            "run_id": run.run_id,
             "security": "private" if run.private else "open",
             "tls": bool(run.tls_ca),
             "step": view.global_step(),
@@ -76,9 +93,22 @@ async def collect_status(
             "swarm_throughput": min((st["throughput"] for st in stages), default=0.0),
             "events": newest_events([e for e in events if isinstance(e, dict)], max_events),
         }
+
+    async def close(self) -> None:
+        if self.keeper is not None:
+            self.keeper.stop()
+        await self.clients.close()
+        await asyncio.get_running_loop().run_in_executor(None, self.dht.shutdown)
+
+
+async def collect_status(
+    run_id: str, initial_peers: list[str], max_events: int = 50, run_key: str | None = None, invite: str | None = None
+) -> dict:
+    observer = await StatusObserver.open(run_id, initial_peers, run_key, invite)
+    try:
+        return await observer.read(max_events)
     finally:
-        await clients.close()
-        await asyncio.get_running_loop().run_in_executor(None, dht.shutdown)
+        await observer.close()
 
 
 def print_status(status: dict, out=sys.stdout) -> None:

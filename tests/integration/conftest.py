@@ -1,7 +1,7 @@
 import pytest
 
 from swarm.local import LocalOptions, LocalSwarm
-from tests.integration.helpers import assert_all_reaped
+from tests.integration.helpers import StatusReader, assert_all_reaped
 
 
 @pytest.fixture
@@ -21,3 +21,18 @@ def make_swarm(tmp_path):
         pgids += [p.pgid for p in swarm.all_processes()]
         swarm.stop()
     assert_all_reaped(pgids)
+
+
+@pytest.fixture
+def read_status():
+    """StatusReaders of LocalSwarms (`read_status(swarm)()` is the swarm's status), closed at teardown
+    before the swarms stop."""
+    readers: list[StatusReader] = []
+
+    def make(swarm) -> StatusReader:
+        readers.append(StatusReader(swarm))
+        return readers[-1]
+
+    yield make
+    for reader in readers:
+        reader.close()

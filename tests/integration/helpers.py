@@ -201,3 +201,32 @@ def single_process_val_loss(run, batches: dict[int, list[int]], val_samples: int
     with torch.no_grad():
         x, y = dataset.val(val_indices(dataset, val_samples))
         return float(losses(x, y).mean())
+
+
+class StatusReader:
+    """`swarm status` of a LocalSwarm, read as often as a test asks over one DHT client node (in this
+    process, on an event loop of its own thread): a new `swarm status` process per look costs a core's
+    worth of start-up on a 2-core machine, which slows the very swarm the test watches."""
+
+    def __init__(self, swarm, timeout_s: float = 60.0) -> None:
+        from swarm.status import StatusObserver
+
+        self.timeout_s = timeout_s
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        opened = StatusObserver.open(swarm.run_id, swarm.join_addresses(), swarm.run_key, swarm.invite)
+        self.observer = self._run(opened)
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(self.timeout_s)
+
+    def __call__(self) -> dict:
+        return self._run(self.observer.read())
+
+    def close(self) -> None:
+        try:
+            self._run(self.observer.close())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=10)

@@ -2,37 +2,32 @@
 trainer died) waits, says so, and goes on exactly once the trainer is back; a stage that lost every
 peer and checkpoint has "no state" and waits, unless a peer is started with --allow-reinit."""
 
-import asyncio
 import signal
 
 import pytest
 
-from swarm.status import collect_status
 from tests.integration.helpers import assert_ledger_exact, info, run_args, start_training, wait_for
 
 
-def status(swarm) -> dict:
-    return asyncio.run(collect_status(swarm.run_id, swarm.join_addresses(), run_key=swarm.run_key, invite=swarm.invite))
-
-
-def events_of(swarm, kind: str) -> list[dict]:
-    return [e for e in status(swarm)["events"] if e.get("event") == kind]
+def events_of(read, kind: str) -> list[dict]:
+    return [e for e in read()["events"] if e.get("event") == kind]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_dead_trainer_stalls_the_stage_visibly_and_its_restart_completes_the_step(make_swarm, tmp_path):
+def test_a_dead_trainer_stalls_the_stage_visibly_and_its_restart_completes_the_step(make_swarm, read_status, tmp_path):
     swarm = make_swarm(stages=2, peers_per_stage=1, trainers=2, run_args=run_args(), peer_args=["--stall-report", "2"])
     swarm.start()
+    read = read_status(swarm)
     logs = str(tmp_path / "samples-{trainer}.jsonl")
     progress = start_training(swarm, 30, ["--sample-log", logs])
     progress.wait_step(4, timeout=120)
     swarm.trainers[1].send_signal(signal.SIGKILL, group=True)
     swarm.trainers[1].wait(timeout=10)
-    stalled = wait_for(lambda: events_of(swarm, "stalled"), 60, "a stalled event")
+    stalled = wait_for(lambda: events_of(read, "stalled"), 60, "a stalled event")
     step = info(swarm.peers[0].ready["address"]).step
     assert stalled[0]["of"] == 16 and stalled[0]["samples"] < 16  # it holds part of a step: no partial step
-    st = status(swarm)
+    st = read()
     assert any(s["fallbacks"].get("stalled") for s in st["stages"])  # `swarm status` shows it
     assert info(swarm.peers[0].ready["address"]).step == step  # nothing applied meanwhile
     swarm.restart_trainer(1)  # the same index: it completes what it had started
@@ -44,9 +39,10 @@ def test_a_dead_trainer_stalls_the_stage_visibly_and_its_restart_completes_the_s
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_stage_with_no_state_left_waits_unless_reinit_is_allowed(make_swarm):
+def test_a_stage_with_no_state_left_waits_unless_reinit_is_allowed(make_swarm, read_status):
     swarm = make_swarm(stages=2, peers_per_stage=1, trainers=1, run_args=run_args())
     swarm.start()
+    read = read_status(swarm)
     progress = start_training(swarm, 1000)
     progress.wait_step(3, timeout=120)
     only = next(p for p in swarm.peers if p.ready["stage"] == 1)
@@ -55,12 +51,12 @@ def test_a_stage_with_no_state_left_waits_unless_reinit_is_allowed(make_swarm):
     fresh = swarm.start_peer(1, ["--no-rebalance"], wait=False)
 
     def no_state_note():
-        return [n for n in status(swarm)["stages"][1]["notes"] if "no state" in n]
+        return [n for n in read()["stages"][1]["notes"] if "no state" in n]
 
     wait_for(no_state_note, 120, "`swarm status` to show that stage 1 has no state")
-    assert events_of(swarm, "no_state")
+    assert events_of(read, "no_state")
     fresh.send_signal(signal.SIGKILL)
     reinit = swarm.start_peer(1, ["--no-rebalance", "--allow-reinit"])  # the operator's explicit choice
     assert reinit.ready["step"] == 0
-    wait_for(lambda: events_of(swarm, "reinit"), 60, "the reinit event")
+    wait_for(lambda: events_of(read, "reinit"), 60, "the reinit event")
     progress.wait_step(progress.latest() + 3, timeout=120)  # training goes on

@@ -1,10 +1,7 @@
 """Adaptive rebalancing on real processes: peers move to where the swarm needs them."""
 
 import itertools
-import json
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -12,23 +9,6 @@ import pytest
 from tests.integration.helpers import TrainingProgress, run_args, wait_for
 
 FAST_REBALANCE = ["--rebalance-period", "3", "--move-cooldown", "6"]
-
-
-def status(swarm) -> dict:
-    argv = [
-        sys.executable,
-        "-m",
-        "swarm.cli",
-        "status",
-        "--run-id",
-        swarm.run_id,
-        "--initial-peers",
-        *swarm.initial_peers,
-        "--json",
-    ]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def layout(st: dict) -> list[int]:
@@ -61,12 +41,12 @@ class status_when:  # noqa: N801 - used like a function, as a wait_for condition
     """A wait_for condition: the status, if it satisfies `predicate`. It keeps the last status it saw,
     so a timeout can say what the swarm looked like (`last_seen`)."""
 
-    def __init__(self, swarm, predicate) -> None:
-        self.swarm, self.predicate = swarm, predicate
+    def __init__(self, read, predicate) -> None:
+        self.read, self.predicate = read, predicate
         self.last: dict | None = None
 
     def __call__(self) -> dict | None:
-        self.last = status(self.swarm)
+        self.last = self.read()
         return self.last if self.predicate(self.last) else None
 
     def last_seen(self) -> str:
@@ -80,9 +60,9 @@ class status_when:  # noqa: N801 - used like a function, as a wait_for condition
         return f"layout {layout(self.last)}, peers {peers}, moves {moves}"
 
 
-def wait_for_status(swarm, predicate, timeout: float, what: str) -> dict:
-    """wait_for on the swarm's status; a timeout says what the status was last."""
-    check = status_when(swarm, predicate)
+def wait_for_status(read, predicate, timeout: float, what: str) -> dict:
+    """wait_for on the swarm's status (`read()`: a StatusReader); a timeout says what it was last."""
+    check = status_when(read, predicate)
     try:
         return wait_for(check, timeout, what)
     except TimeoutError as e:
@@ -91,7 +71,7 @@ def wait_for_status(swarm, predicate, timeout: float, what: str) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_peers_move_off_a_crowded_stage_and_recover_after_a_kill(make_swarm, tmp_path):
+def test_peers_move_off_a_crowded_stage_and_recover_after_a_kill(make_swarm, read_status, tmp_path):
     # checkpoints every step: if the victim's mate moves away in the instant of the kill, the stage
     # is restored from its newest checkpoint (without one it would have "no state" and wait)
     checkpoints = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "1"]
@@ -104,11 +84,12 @@ def test_peers_move_off_a_crowded_stage_and_recover_after_a_kill(make_swarm, tmp
         trainer_args=["--max-in-flight", "4"],
     )
     swarm.start()
+    read = read_status(swarm)
     progress = TrainingProgress()
     swarm.start_trainers(on_line=progress)
     wait_for(lambda: progress.latest() >= 2, 120, "training to start")
     t0 = time.monotonic()
-    st = wait_for_status(swarm, lambda s: max(layout(s)) <= 2 and min(layout(s)) >= 1, 60, "a move off stage 0")
+    st = wait_for_status(read, lambda s: max(layout(s)) <= 2 and min(layout(s)) >= 1, 60, "a move off stage 0")
     print("moved within", round(time.monotonic() - t0, 1), "s; layout", layout(st))
     moves = [e for e in st["events"] if e["event"] == "move"]
     assert moves and moves[0]["src"] == 0
@@ -118,7 +99,7 @@ def test_peers_move_off_a_crowded_stage_and_recover_after_a_kill(make_swarm, tmp
     assert all(m["seconds"] < 60 for m in moves), moves
 
     # SIGKILL one peer of a stage that holds 2, from a fresh status
-    st = wait_for_status(swarm, lambda s: 2 in layout(s), 60, "a stage of 2 peers")
+    st = wait_for_status(read, lambda s: 2 in layout(s), 60, "a stage of 2 peers")
     chosen_at = time.time()
     crowded = next(stage for stage in st["stages"] if layout({"stages": [stage]})[0] == 2)
     victim_id = next(p["id"] for p in crowded["peers"] if p["state"] == "online")
@@ -131,7 +112,7 @@ def test_peers_move_off_a_crowded_stage_and_recover_after_a_kill(make_swarm, tmp
         counts = layout(s)
         return sum(counts) == 4 and min(counts) >= 1 and near_best(s)
 
-    st = wait_for_status(swarm, recovered, 60, "the 4 remaining peers to form a near-best assignment")
+    st = wait_for_status(read, recovered, 60, "the 4 remaining peers to form a near-best assignment")
     print("after the kill: layout", layout(st))
     wait_for(lambda: progress.latest() >= step_before_kill + 5, 120, "training to go on after the kill")
     with progress.lock:
@@ -152,9 +133,10 @@ def test_peers_move_off_a_crowded_stage_and_recover_after_a_kill(make_swarm, tmp
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_auto_placed_peers_spread_over_the_stages(make_swarm):
+def test_auto_placed_peers_spread_over_the_stages(make_swarm, read_status):
     swarm = make_swarm(stages=3, run_args=run_args(), peer_args=FAST_REBALANCE)
     swarm.start_coordinator()
+    read = read_status(swarm)
     peers = [swarm.start_peer("auto", wait=False) for _ in range(6)]
     for p in peers:
         p.wait_ready(120)
@@ -169,5 +151,5 @@ def test_auto_placed_peers_spread_over_the_stages(make_swarm):
         counts = layout(s)
         return sum(counts) == 6 and min(counts) >= 1 and near_best(s)
 
-    st = wait_for_status(swarm, spread, 60, "the auto-placed peers to spread over the stages")
+    st = wait_for_status(read, spread, 60, "the auto-placed peers to spread over the stages")
     print("layout", layout(st), "stage throughputs", [round(stage["throughput"]) for stage in st["stages"]])
