@@ -21,7 +21,6 @@ from swarm.core.log import set_context
 from swarm.core.procs import READY_PREFIX
 from swarm.core.settings import setting
 from swarm.core.tls import RunCA
-from swarm.dashboard.live import DashboardConfig, LiveDashboard
 from swarm.dht.announcer import Announcer
 from swarm.dht.node import SwarmDHT
 from swarm.training.config import RunConfig
@@ -111,6 +110,9 @@ async def run_coordinator(run: RunConfig, cfg: CoordinatorConfig) -> int:
             authority, credentials = await _start_authority(run, cfg, key, ca, dht)
         maddrs = _publish_maddrs(dht, announce_host, cfg.maddrs_file)
         if cfg.dashboard_port is not None:  # the same DHT node feeds it (created on this thread)
+            # imported here: the dashboard's web stack is not needed by every process that imports this
+            from swarm.dashboard.live import DashboardConfig, LiveDashboard
+
             dashboard = LiveDashboard(
                 run.run_id, maddrs, DashboardConfig(cfg.dashboard_host, cfg.dashboard_port), dht=dht, run=run,
                 credentials=credentials,

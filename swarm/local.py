@@ -21,13 +21,16 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from swarm.core.errors import ConfigError
 from swarm.core.procs import ManagedProcess
 from swarm.core.settings import setting
-from swarm.dashboard.live import DashboardConfig, LiveDashboard
 from swarm.netlab.hosts import LabHosts
 from swarm.netlab.system import NetLabError
+
+if TYPE_CHECKING:
+    from swarm.dashboard.live import LiveDashboard
 
 logger = logging.getLogger(__name__)
 
@@ -345,6 +348,9 @@ def run_local(opts: LocalOptions, as_json: bool = False) -> dict:
         print(f"attach from another terminal:  swarm peer {attach}  (or swarm trainer / status / dashboard)", file=out)
         print(f"logs: {swarm.log_dir}/", file=out, flush=True)
         if opts.dashboard_port is not None:
+            # imported here: the dashboard's web stack is not needed by every process that imports this
+            from swarm.dashboard.live import DashboardConfig, LiveDashboard
+
             dashboard_cfg = DashboardConfig(port=opts.dashboard_port)
             swarm.dashboard = LiveDashboard(
                 swarm.run_id, maddrs, dashboard_cfg, run_key=swarm.run_key, invite=swarm.invite

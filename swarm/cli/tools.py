@@ -144,7 +144,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
 
 
 def add_dashboard_parser(sub) -> None:
-    from swarm.dashboard.live import DashboardConfig
+    from swarm.dashboard.config import DashboardConfig
 
     p = sub.add_parser(
         "dashboard",

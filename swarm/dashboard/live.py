@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import logging
 import sys
-from dataclasses import dataclass
 
 from swarm.cluster.authority import secure
 from swarm.cluster.runconfig import fetch_signed_config
-from swarm.core.settings import setting
 from swarm.dashboard.collector import LiveSource
+from swarm.dashboard.config import DashboardConfig
 from swarm.dashboard.server import DashboardServer
 from swarm.dht.node import SwarmDHT
 from swarm.training.config import RunConfig
@@ -21,13 +20,6 @@ from swarm.wire.auth import MemberCredentials
 logger = logging.getLogger(__name__)
 
 CONFIG_TIMEOUT_S = 60.0
-
-
-@dataclass
-class DashboardConfig:
-    host: str = setting("127.0.0.1", "interface the dashboard listens on (it is read-only; 0.0.0.0 for all)")
-    port: int = setting(8080, "port of the dashboard (0: any free port)")
-    refresh_s: float = setting(1.0, "seconds between the dashboard's looks at the swarm (and the page's updates)")
 
 
 class LiveDashboard:
