@@ -20,6 +20,7 @@ class Admission:
         self.per_client: dict[str, int] = {}
         self.in_flight = 0
         self.streams = 0
+        self.streams_peak = 0  # most streams open at once so far (Info reports it)
         self.waiting = 0
         self.state_calls = 0
         self._last_state_call: dict[str, float] = {}
@@ -49,6 +50,7 @@ class Admission:
         if self.streams >= self.limits.max_streams:
             raise Overloaded(f"{self.streams} request streams are open here; retry later")
         self.streams += 1
+        self.streams_peak = max(self.streams_peak, self.streams)
         try:
             yield
         finally:

@@ -243,7 +243,9 @@ class StageService:
     # ---- gRPC entry points ----
 
     async def info(self, raw: bytes, context) -> bytes:
-        return self.serving.info().SerializeToString()
+        answer = self.serving.info()
+        answer.streams_peak = self.admission.streams_peak
+        return answer.SerializeToString()
 
     async def forward(self, raw: bytes, context) -> bytes:
         return await self._unary("forward", raw, context)

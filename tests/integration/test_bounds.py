@@ -6,6 +6,7 @@ RSS_BOUND_MB (200 MB: the peer holds about 300 MB; the attacks, unbounded, would
 
 import asyncio
 import time
+from collections import Counter
 
 import grpc
 import psutil
@@ -61,8 +62,11 @@ def assert_healthy(swarm, before_mb: float) -> None:
     assert grown < RSS_BOUND_MB, f"RSS grew by {grown:.0f} MB"
 
 
-async def _channel(address: str):
-    return grpc.aio.insecure_channel(address, options=channel_options(64 << 20))
+async def _channel(address: str, own_connection: bool = False):
+    """A channel to `address`; `own_connection`: not shared with this process's other channels to it
+    (gRPC otherwise multiplexes them on one connection, one client to the peer's per-client bound)."""
+    options = channel_options(64 << 20) + ([("grpc.use_local_subchannel_pool", 1)] if own_connection else [])
+    return grpc.aio.insecure_channel(address, options=options)
 
 
 def test_huge_shape_header_is_refused_before_any_allocation(swarm):
@@ -125,7 +129,9 @@ def test_two_thousand_idle_streams_leave_info_answering_and_are_cut(swarm):
 
     async def go():
         stop = asyncio.Event()
-        channels = [await _channel(peer.ready["address"]) for _ in range(20)]
+        # 20 connections of 100 streams: the per-connection bound (64 in flight) admits 1280, so the
+        # peer's bound on streams open at once (256) is the one that refuses
+        channels = [await _channel(peer.ready["address"], own_connection=True) for _ in range(20)]
         calls = [
             ch.stream_stream("/swarm.Stage/ForwardStream")(idle_requests(stop), timeout=30)
             for ch in channels
@@ -155,9 +161,15 @@ def test_two_thousand_idle_streams_leave_info_answering_and_are_cut(swarm):
 
     answer, info_s, codes = asyncio.run(go())
     assert answer.state == "online" and info_s < INFO_DEADLINE_S
-    assert grpc.StatusCode.OK not in codes and len(codes) == 2000
-    assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 2000 - 256  # beyond the stream bound: refused
-    assert grpc.StatusCode.INVALID_ARGUMENT in codes  # admitted ones were cut for sending nothing
+    assert len(codes) == 2000 and grpc.StatusCode.OK not in codes
+    peak = info(peer.ready["address"]).streams_peak
+    print("codes", Counter(c.name for c in codes), "most streams open at once", peak)
+    # refused at the bound (RESOURCE_EXHAUSTED), or admitted and cut for sending nothing
+    assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes and grpc.StatusCode.INVALID_ARGUMENT in codes
+    # and never more than the bound open at once, by the peer's own count. (Was: at least 2000 - 256
+    # refused. On a loaded machine opening 2000 streams takes longer than the 3 s idle cut, a cut
+    # stream's slot goes to a later one, as it should, and more than 256 are admitted in all.)
+    assert peak == 256
     assert_healthy(swarm, before)
 
 
