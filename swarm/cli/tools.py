@@ -232,7 +232,9 @@ def cmd_ledger(args: argparse.Namespace) -> int:
         print(json.dumps({"through_step": report.through_step, "checked": report.checked, **report.counts()}))
     else:
         print(format_report(report))
-    return 0 if report.ok else 1
+    if report.checked == 0:
+        print("swarm ledger: nothing was checked: no update of every stage was found", file=sys.stderr)
+    return 0 if report.ok and report.checked > 0 else 1
 
 
 def add_export_parser(sub) -> None:

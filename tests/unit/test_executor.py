@@ -105,3 +105,20 @@ def test_finite_gradients_whose_sum_would_overflow_are_refused():
         assert all(torch.isfinite(p).all() for p in first.params)
     finally:
         first.stop()
+
+
+def test_the_given_ledger_is_kept_and_its_file_written(tmp_path):
+    """An executor keeps the (empty, hence falsy) ledger it is given: its --ledger-dir file gets one
+    line per applied update (an `or` once swapped it for a ledger without a file)."""
+    from swarm.peer.ledger import StageLedger
+
+    path = tmp_path / "stage1.jsonl"
+    ledger = StageLedger(1, path)
+    ex = StageExecutor(build_stage(GPT, 1, 2), OptimConfig(), ledger=ledger)
+    try:
+        assert ex.ledger is ledger
+        ex.backward(torch.randn(4, 8, 16), None, torch.randint(0, 64, (4, 8)), "x").result(timeout=30)
+        ex.call(ex.local_step).result(timeout=30)
+        assert len(path.read_text().splitlines()) == 1 and len(ledger) == 1
+    finally:
+        ex.stop()

@@ -71,7 +71,8 @@ class StageExecutor(StageUpdates):
         self.throughput_ema: float | None = None  # samples/s of forward+backward work, measured
         # every applied update and the contributions it holds: travels with the state, so that a
         # peer that downloads it knows which of its own gradients are already in it
-        self.ledger = ledger or StageLedger(built.stage)
+        # (`is None`: an empty ledger is falsy, and `or` dropped the given one with its --ledger-dir file)
+        self.ledger = ledger if ledger is not None else StageLedger(built.stage)
         self.fingerprint = self.compute_fingerprint()  # (step, sum, sum of |p|), replaced whole
 
         self._queue: collections.deque[Task] = collections.deque()
