@@ -234,7 +234,7 @@ def cmd_ledger(args: argparse.Namespace) -> int:
         print(format_report(report))
     if report.checked == 0:
         print("swarm ledger: nothing was checked: no update of every stage was found", file=sys.stderr)
-    return 0 if report.ok and report.checked > 0 else 1
+    return 0 if report.passed else 1
 
 
 def add_export_parser(sub) -> None:

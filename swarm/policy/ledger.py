@@ -160,6 +160,11 @@ class LedgerReport:
             self.lost or self.duplicated or self.misplaced or self.mismatched or self.inconsistent or self.missing_steps
         )
 
+    @property
+    def passed(self) -> bool:
+        """Nothing wrong, and something was checked: a check of nothing is no pass."""
+        return self.ok and self.checked > 0
+
     def counts(self) -> dict[str, int]:
         return {
             "lost": len(self.lost),

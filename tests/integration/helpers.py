@@ -216,7 +216,11 @@ class StatusReader:
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         opened = StatusObserver.open(swarm.run_id, swarm.join_addresses(), swarm.run_key, swarm.invite)
-        self.observer = self._run(opened)
+        try:
+            self.observer = self._run(opened)
+        except BaseException:
+            self._stop_loop()  # no thread left running for a reader that never opened
+            raise
 
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(self.timeout_s)
@@ -228,5 +232,8 @@ class StatusReader:
         try:
             self._run(self.observer.close())
         finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(timeout=10)
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
