@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 from swarm.core.settings import setting
 
-FAULT_KINDS = ("kill", "stop", "term", "join", "trainer", "coordinator")
+FAULT_KINDS = ("kill", "stop", "term", "join", "trainer", "coordinator", "cut")
+NETNS_KINDS = ("cut",)  # kinds that need the swarm in a network lab (--netns, as root)
 
 
 def kinds_list(text: str) -> list[str]:
@@ -24,9 +25,10 @@ class ChaosOptions:
     baseline_minutes: float = setting(
         2.0, "length of the fault-free phase before it (the throughput baseline), in minutes"
     )
-    kinds: list[str] = setting(
-        factory=lambda: list(FAULT_KINDS),
-        help="fault kinds to draw from, comma-separated: " + ", ".join(FAULT_KINDS),
+    kinds: list[str] | None = setting(
+        None,
+        "fault kinds to draw from, comma-separated: " + ", ".join(FAULT_KINDS) + " (default: all of them; "
+        "'cut', a peer's network link cut for a while, only with --netns)",
         parse=kinds_list,
         metavar="KIND,...",
     )
@@ -40,10 +42,22 @@ class ChaosOptions:
     stop_pause_s: float = setting(8.0, "a SIGSTOPped peer is resumed (SIGCONT) after up to this many seconds")
     replace_after_s: float = setting(5.0, "a killed or terminated peer is replaced by a new one after this long")
     restart_after_s: float = setting(2.0, "a killed trainer or coordinator is started again after this long")
+    cut_pause_s: float = setting(12.0, "a cut link is mended after up to this many seconds")
     max_extra_peers: int = setting(2, "joins beyond the initial number of peers, at most")
 
     def __post_init__(self) -> None:
         if self.minutes <= 0 or self.mtbf_s <= 0 or self.baseline_minutes < 0:
             raise ValueError("--minutes and --mtbf must be positive, --baseline-minutes not negative")
-        if not self.kinds:
+        if self.kinds is not None and not self.kinds:
             raise ValueError("--kinds must name at least one fault kind")
+
+    def resolve_kinds(self, netns: bool) -> None:
+        """Fill in the default kinds (those this swarm can take) and refuse a network fault without a lab."""
+        if self.kinds is None:
+            self.kinds = [k for k in FAULT_KINDS if netns or k not in NETNS_KINDS]
+        needs_lab = sorted(set(self.kinds + (self.schedule or [])) & set(NETNS_KINDS))
+        if needs_lab and not netns:
+            raise ValueError(
+                f"fault kind {', '.join(needs_lab)} cuts a peer's network link: it needs the swarm in a network lab "
+                "(--netns lan, as root)"
+            )

@@ -6,13 +6,15 @@
 - join: a fresh peer joins (its stage chosen by the peers' own rule);
 - trainer: SIGKILL a trainer and start it again (same index: it completes what it had started);
 - coordinator: SIGKILL the coordinator (the DHT carries on: new processes join through live
-  peers) and start it again later.
+  peers) and start it again later;
+- cut: cut a peer's network link for a while (its host in the swarm's network lab, --netns): frames to
+  and from it vanish, no reset, no error; the peer runs on, is taken for dead, and must catch up once
+  the link is mended.
 A peer fault never takes the last serving peer of a stage (a stage with no peer and no checkpoint
 has no state left: a different experiment)."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import random
 import signal
@@ -22,31 +24,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from swarm.chaos.config import ChaosOptions
+from swarm.chaos.observer import LocalObserver
 from swarm.core.procs import ManagedProcess
 from swarm.core.states import PeerState
 from swarm.local import LocalSwarm
-from swarm.wire.client import StageClient
 
 logger = logging.getLogger(__name__)
-
-INFO_TIMEOUT_S = 2.0
-
-
-def probe(address: str) -> tuple[int, str] | None:
-    """(stage, state) a peer answers Info with, or None when it does not answer."""
-
-    async def go():
-        client = StageClient(address)
-        try:
-            info = await client.info(INFO_TIMEOUT_S)
-            return int(info.stage), info.state
-        finally:
-            await client.close()
-
-    try:
-        return asyncio.run(go())
-    except Exception:  # noqa: BLE001 - not answering is an answer
-        return None
 
 
 @dataclass
@@ -56,7 +39,8 @@ class FaultContext:
     rng: random.Random
     initial_peers: int
     counts: Counter = field(default_factory=Counter)
-    stopped: set[int] = field(default_factory=set)  # pids of SIGSTOPped peers
+    observer: object = field(default_factory=LocalObserver)  # LocalObserver or LabObserver
+    stopped: set[int] = field(default_factory=set)  # pids of SIGSTOPped or cut-off peers
     timers: list[threading.Timer] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -80,11 +64,11 @@ class FaultContext:
 
 def serving_peers(ctx: FaultContext) -> dict[int, list[ManagedProcess]]:
     """Live, online, not stopped peers by the stage they serve now (peers move)."""
+    procs = [p for p in ctx.swarm.peers if p.alive() and p.ready and p.pid not in ctx.stopped]
+    answers = ctx.observer.probe([p.ready["address"] for p in procs])
     by_stage: dict[int, list[ManagedProcess]] = {}
-    for proc in ctx.swarm.peers:
-        if not proc.alive() or not proc.ready or proc.pid in ctx.stopped:
-            continue
-        answer = probe(proc.ready["address"])
+    for proc in procs:
+        answer = answers.get(proc.ready["address"])
         if answer is not None and answer[1] == PeerState.ONLINE:
             by_stage.setdefault(answer[0], []).append(proc)
     return by_stage
@@ -161,6 +145,23 @@ def coordinator(ctx: FaultContext) -> str | None:
     return f"SIGKILL coordinator, restarted after {delay:.0f} s"
 
 
+def cut(ctx: FaultContext) -> str | None:
+    lab = ctx.swarm.lab
+    victim = pick_victim(ctx) if lab is not None else None
+    if victim is None:
+        return None
+    lab.cut(victim.name)
+    ctx.stopped.add(victim.pid)
+    pause = ctx.rng.uniform(2.0, ctx.opts.cut_pause_s)
+
+    def mend() -> None:
+        lab.cut(victim.name, False)
+        ctx.stopped.discard(victim.pid)
+
+    ctx.later(pause, mend)
+    return f"link of {victim.name} cut for {pause:.1f} s"
+
+
 FAULTS: dict[str, Callable[[FaultContext], str | None]] = {
     "kill": kill,
     "stop": stop,
@@ -168,4 +169,5 @@ FAULTS: dict[str, Callable[[FaultContext], str | None]] = {
     "join": join,
     "trainer": trainer,
     "coordinator": coordinator,
+    "cut": cut,
 }

@@ -6,7 +6,6 @@ for each phase of the same swarm."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import random
@@ -19,10 +18,11 @@ from dataclasses import dataclass
 
 from swarm.chaos.config import ChaosOptions
 from swarm.chaos.faults import FAULTS, FaultContext
+from swarm.chaos.observer import LabObserver, LocalObserver
 from swarm.core.procs import group_alive
-from swarm.ledger import check_run, collect, read_ledger_dir, read_sample_logs
+from swarm.ledger import check_run, read_ledger_dir, read_sample_logs
 from swarm.local import LocalOptions, LocalSwarm
-from swarm.policy.ledger import format_report
+from swarm.policy.ledger import LedgerEntry, format_report
 from swarm.training.config import RunConfig
 
 logger = logging.getLogger(__name__)
@@ -95,7 +95,8 @@ def _inject(ctx: FaultContext, times: list[tuple[float, str | None]], start: flo
                 what = FAULTS[k](ctx)
                 if what is not None:
                     ctx.counts[k] += 1
-                    print(f"chaos t={time.monotonic() - start:6.1f}s  {k:<11} {what}", file=sys.stderr, flush=True)
+                    at = f"{time.strftime('%H:%M:%S')} t={time.monotonic() - start:6.1f}s"
+                    print(f"chaos {at}  {k:<11} {what}", file=sys.stderr, flush=True)
                     break
 
 
@@ -111,6 +112,7 @@ def _leftovers(swarm: LocalSwarm) -> int:
 def run_chaos(chaos: ChaosOptions, local: LocalOptions, run: RunConfig) -> dict:
     """The whole run; returns the result document (see the module's caller, swarm.cli)."""
     t0 = time.monotonic()
+    chaos.resolve_kinds(bool(local.netns))
     rng = random.Random(chaos.chaos_seed)
     watch = StepWatch()
     local.steps = 10**6  # the trainers run until stopped
@@ -125,14 +127,18 @@ def run_chaos(chaos: ChaosOptions, local: LocalOptions, run: RunConfig) -> dict:
         watch.wait(2, STEP_WAIT_S)
         print(f"chaos: fault-free phase for {chaos.baseline_minutes:.1f} min", file=sys.stderr, flush=True)
         baseline = _measure(watch, 60 * chaos.baseline_minutes)
-        ctx = FaultContext(swarm, chaos, rng, initial, Counter())
+        observer = LocalObserver()
+        if swarm.lab is not None:  # the swarm's addresses exist only in the lab: look from a host of it
+            observer = LabObserver(swarm.lab.host("chaos", "observer").wrap, str(swarm.log_dir / "observer.log"))
+        ctx = FaultContext(swarm, chaos, rng, initial, Counter(), observer=observer)
         times = _fault_times(chaos, rng, 60 * chaos.minutes)
         print(f"chaos: {len(times)} faults in {chaos.minutes:.1f} min", file=sys.stderr, flush=True)
         phase = _measure(watch, 60 * chaos.minutes, lambda d: _inject(ctx, times, time.monotonic(), d))
         ctx.cancel_timers()
         with ctx.lock:
             summaries = _stop_trainers(swarm)
-        run_now, entries = _collect(swarm)
+        run_now, entries = _collect(swarm, observer)
+        observer.close()
     entries += read_ledger_dir(swarm.log_dir / "ledger")
     report = check_run(run_now or run, entries, read_sample_logs([str(swarm.log_dir / "samples-*.jsonl")]))
     print(format_report(report), file=sys.stderr, flush=True)
@@ -155,9 +161,10 @@ def _stop_trainers(swarm: LocalSwarm) -> list[dict]:
     return out
 
 
-def _collect(swarm: LocalSwarm):
+def _collect(swarm: LocalSwarm, observer) -> tuple[RunConfig | None, list[LedgerEntry]]:
     try:
-        return asyncio.run(collect(swarm.run_id, swarm.join_addresses(), swarm.run_key, swarm.invite))
+        got = observer.collect(swarm.run_id, swarm.join_addresses(), swarm.run_key, swarm.invite)
+        return RunConfig.from_json(got["run"]), [LedgerEntry.from_json(e) for e in got["entries"]]
     except Exception as e:  # noqa: BLE001 - the ledger files are read anyway
         logger.warning("reading the live peers' ledgers failed: %s", e)
         return None, []

@@ -18,6 +18,8 @@ Control protocol, one JSON object a line on stdin, one reply line on stdout:
     {"op": "add", "ifname": "...", "delay_ms": 20, "jitter_ms": 2, "loss_pct": 0.1, "seed": 7}  -> "ok add IFNAME"
         optional "inbound": false: drop TCP connection attempts (SYN without ACK) to that host, as a NAT would
     {"op": "stats"}                                                                                -> "ok stats {...}"
+    {"op": "cut", "ifname": "...", "cut": true}  -> "ok cut IFNAME": drop every frame to and from that host (a
+        network partition: no reset, no error, packets vanish) until the same command with "cut": false
 It exits when stdin reaches EOF (its owner closed the lab or died) or on SIGTERM.
 """
 
@@ -60,6 +62,7 @@ class Port:
     loss: float
     rng: random.Random
     inbound: bool = True  # False: connections to this host are refused on the way (TCP SYN without ACK dropped)
+    cut: bool = False  # True: the link is cut, every frame to or from this host is dropped
     sent: int = 0
     dropped: int = 0
 
@@ -125,6 +128,9 @@ class Switch:
 
     def schedule(self, src: int, dst: int, frame: bytes) -> None:
         inp, out = self.ports[src], self.ports[dst]
+        if inp.cut or out.cut:
+            out.dropped += 1
+            return
         if not out.inbound and is_tcp_connect(frame):
             out.dropped += 1  # a host behind NAT: nobody can open a connection to it; its own connections work
             return
@@ -155,6 +161,9 @@ class Switch:
 
     def send(self, dst: int, frame: bytes) -> None:
         port = self.ports[dst]
+        if port.cut:  # cut while the frame was on its way
+            port.dropped += 1
+            return
         try:
             port.sock.send(frame)
             port.sent += 1
@@ -187,6 +196,12 @@ def handle_command(switch: Switch, sel: selectors.BaseSelector, line: str) -> st
             port = switch.add_port(cmd)
             sel.register(port.sock, selectors.EVENT_READ, len(switch.ports) - 1)
             return f"ok add {port.ifname}"
+        if cmd.get("op") == "cut":
+            ports = [p for p in switch.ports if p.ifname == cmd["ifname"]]
+            if not ports:
+                return f"error no port {cmd['ifname']}"
+            ports[0].cut = bool(cmd["cut"])
+            return f"ok cut {cmd['ifname']}"
         if cmd.get("op") == "stats":
             return "ok stats " + json.dumps(switch.stats())
         return f"error unknown command: {line.strip()}"

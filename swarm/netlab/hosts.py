@@ -35,6 +35,10 @@ class LabHosts:
                 self._hosts[slot] = self.lab.add_host(slot, role)
             return self._hosts[slot]
 
+    def cut(self, slot: str, cut: bool = True) -> None:
+        """Cut (or mend) the link of a slot's host: see NetLab.cut."""
+        self.lab.cut(slot, cut)
+
     def hosts(self) -> dict[str, Host]:
         with self._lock:
             return dict(self._hosts)

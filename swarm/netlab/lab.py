@@ -246,6 +246,18 @@ class NetLab:
             with open(os.path.join(naming.ETC_NETNS, h.netns, "hosts"), "w") as f:
                 f.write("\n".join([f"{h.ip} {machine}", *common]) + "\n")
 
+    def cut(self, name: str, cut: bool = True) -> None:
+        """Cut host `name`'s link (cut=False: mend it). A cut is a partition, as when a machine's uplink fails:
+        frames to and from the host vanish, nobody gets a reset or an error, and connections that outlive the cut
+        carry on. Userspace backend: the forwarder drops the frames; kernel backend: the switch end goes down."""
+        host = self.host(name)
+        if self.backend == tc.USERSPACE:
+            self._forwarder_call({"op": "cut", "ifname": naming.switch_ifname(self.key, host.index), "cut": cut})
+        else:
+            outer = naming.switch_ifname(self.key, host.index)
+            run(["ip", "-n", self.switch_netns, "link", "set", outer, "down" if cut else "up"])
+        log.info("host %s: link %s", name, "cut" if cut else "mended")
+
     def set_aliases(self, name: str, aliases: list[str]) -> None:
         """More names for host `name` in every host's /etc/hosts (a container's service name, say)."""
         self.host(name)

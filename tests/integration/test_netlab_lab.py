@@ -78,6 +78,19 @@ elif mode == "udpecho":
     print("ready", flush=True)
     while True:
         d, a = s.recvfrom(64); s.sendto(d, a)
+elif mode == "partition":  # partition IP: one echo, then (told "cut") one unanswered, then (told "mended") its reply
+    c = socket.create_connection((args[0], 5000), timeout=5)
+    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    c.sendall(b"e"); c.sendall(b"1"); print("echo", c.recv(1).decode(), flush=True)
+    assert sys.stdin.readline().strip() == "cut"
+    c.sendall(b"2"); c.settimeout(2.0)
+    try:
+        print("answered", c.recv(1).decode(), flush=True)
+    except TimeoutError:
+        print("silent", flush=True)
+    assert sys.stdin.readline().strip() == "mended"
+    c.settimeout(20.0); t = time.monotonic()
+    print("resumed", c.recv(1).decode(), round(time.monotonic() - t, 2), flush=True)
 elif mode == "connect":  # connect IP PORT: print the errno name and the seconds it took to fail
     t = time.monotonic()
     try:
@@ -284,6 +297,7 @@ def test_kernel_backend_bridge_and_tbf():
         fast = lab.add_host("fast", link=LinkSpec(rate_mbit=100))
         echo = start_server(server, "serve")
         try:
+            check_cut_and_mend(lab, server, fast)
             rtt = float(tool(fast, "rtt", server.ip, "10"))
             rate_slow = float(tool(slow, "push", server.ip, str(2_000_000)))
             rate_fast = float(tool(fast, "push", server.ip, str(8_000_000)))
@@ -298,6 +312,36 @@ def test_kernel_backend_bridge_and_tbf():
         finally:
             echo.kill()
             echo.wait(timeout=5)
+
+
+def check_cut_and_mend(lab, server, client) -> None:
+    """A cut link is a partition: an established connection's message gets no answer and no error while cut,
+    and the same connection carries the answer once the link is mended."""
+    proc = subprocess.Popen(
+        client.wrap([PY, "-c", TOOLS, "partition", server.ip]), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline().split() == ["echo", "1"]
+        lab.cut(client.name)
+        proc.stdin.write("cut\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().split() == ["silent"]
+        lab.cut(client.name, False)
+        proc.stdin.write("mended\n")
+        proc.stdin.flush()
+        line = proc.stdout.readline().split()
+        assert line[:2] == ["resumed", "2"], line
+        print(f"{lab.backend}: the answer came {line[2]} s after the link was mended")
+        assert proc.wait(timeout=10) == 0
+    finally:
+        proc.kill()
+        proc.wait(timeout=5)
+
+
+def test_cut_link_is_a_partition_that_mends(lab):
+    check_cut_and_mend(lab, lab.host("server"), lab.host("fast"))
+    # the other hosts were not cut off meanwhile, and the mended one works for new connections too
+    assert float(tool(lab.host("fast"), "rtt", lab.host("server").ip, "3")) < 50
 
 
 def test_host_behind_nat_connects_out_but_takes_no_connections():
