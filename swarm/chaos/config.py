@@ -40,7 +40,11 @@ class ChaosOptions:
     )
     chaos_seed: int = setting(0, "seed of the fault schedule and of the choice of victims")
     stop_pause_s: float = setting(8.0, "a SIGSTOPped peer is resumed (SIGCONT) after up to this many seconds")
-    replace_after_s: float = setting(5.0, "a killed or terminated peer is replaced by a new one after this long")
+    replace_after_s: float = setting(
+        5.0,
+        "a killed or terminated peer is replaced by a new one after this long (if the swarm is below its "
+        "starting size)",
+    )
     restart_after_s: float = setting(2.0, "a killed trainer or coordinator is started again after this long")
     cut_pause_s: float = setting(12.0, "a cut link is mended after up to this many seconds")
     max_extra_peers: int = setting(2, "joins beyond the initial number of peers, at most")

@@ -1,8 +1,9 @@
 """The faults `swarm chaos` injects into a local swarm, each on real processes:
 
-- kill: SIGKILL a peer (a preempted machine); a new peer replaces it a moment later;
+- kill: SIGKILL a peer (a preempted machine); a new peer replaces it a moment later if the swarm
+  is below its starting size (after a join it may not be);
 - stop: SIGSTOP a peer, SIGCONT after a random pause (it must catch up with its mates);
-- term: SIGTERM a peer (a graceful drain); a new peer replaces it;
+- term: SIGTERM a peer (a graceful drain); replaced as after a kill;
 - join: a fresh peer joins (its stage chosen by the peers' own rule);
 - trainer: SIGKILL a trainer and start it again (same index: it completes what it had started);
 - coordinator: SIGKILL the coordinator (the DHT carries on: new processes join through live
@@ -79,8 +80,21 @@ def pick_victim(ctx: FaultContext) -> ManagedProcess | None:
     return ctx.rng.choice(candidates) if candidates else None
 
 
-def _replace(ctx: FaultContext) -> None:
-    ctx.later(ctx.opts.replace_after_s, lambda: ctx.swarm.start_peer("auto", wait=False))
+def _replace(ctx: FaultContext, victim: ManagedProcess) -> None:
+    """A new peer takes the victim's place a moment later, if the swarm is below its starting size:
+    churn keeps a swarm's size (a fleet's autoscaler replaces a preempted machine; volunteers come
+    and go around a mean), and on one small machine every extra peer costs throughput by itself
+    (docs/ARCHITECTURE.md, Chaos), which would be charged to the faults."""
+
+    def maybe_replace() -> None:
+        alive = sum(1 for p in ctx.swarm.peers if p.alive() and p is not victim)
+        if alive < ctx.initial_peers:
+            proc = ctx.swarm.start_peer("auto", wait=False)
+            logger.info("%s replaces %s", proc.name, victim.name)
+        else:
+            logger.info("%s not replaced: %d peers serve (started with %d)", victim.name, alive, ctx.initial_peers)
+
+    ctx.later(ctx.opts.replace_after_s, maybe_replace)
 
 
 def kill(ctx: FaultContext) -> str | None:
@@ -88,7 +102,7 @@ def kill(ctx: FaultContext) -> str | None:
     if victim is None:
         return None
     victim.send_signal(signal.SIGKILL)
-    _replace(ctx)
+    _replace(ctx, victim)
     return f"SIGKILL {victim.name}"
 
 
@@ -113,7 +127,7 @@ def term(ctx: FaultContext) -> str | None:
     if victim is None:
         return None
     victim.send_signal(signal.SIGTERM)
-    _replace(ctx)
+    _replace(ctx, victim)
     return f"SIGTERM {victim.name}"
 
 

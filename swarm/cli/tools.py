@@ -108,7 +108,8 @@ def add_chaos_parser(sub) -> None:
         help="train a local swarm through injected faults, then check every sample applied exactly once",
         description="A local swarm trains fault-free for --baseline-minutes (the throughput baseline), then "
         "through --minutes of faults (SIGKILL, SIGSTOP+SIGCONT and SIGTERM of peers, joins, a trainer killed "
-        "and restarted, the coordinator killed; with --netns also a peer's network link cut for a while), then its ledger is checked against the trainers' logs. "
+        "and restarted, the coordinator killed; with --netns also a peer's network link cut for a while), "
+        "then its ledger is checked against the trainers' logs. "
         "The last stdout line with --json: faults, steps, samples, lost, duplicated, misplaced, samples_per_s, "
         "fault_free_samples_per_s, throughput_ratio, val_loss, wall_s. Exit code 1 when the ledger is not exact "
         "or a process was left behind.",

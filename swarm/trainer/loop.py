@@ -85,9 +85,11 @@ class Trainer:
     async def setup(self) -> None:
         cfg = self.cfg
         loop = asyncio.get_running_loop()
+        t0 = time.monotonic()
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.dht = SwarmDHT(cfg.run_id, cfg.initial_peers, host=cfg.host, client_mode=True)  # main thread
+        t_dht = time.monotonic()
         set_context(peer=self.trainer_id)
         signed = await loop.run_in_executor(
             None, fetch_signed_config, self.dht, cfg.join_timeout_s, cfg.run_key, cfg.allow_model
@@ -107,7 +109,9 @@ class Trainer:
         self.share = share
         self.codec = codec_from_name(run.codec)
         data_cfg = run.data if isinstance(run.data, DataConfig) else DataConfig(**run.data)
+        t_config = time.monotonic()
         self.dataset = await loop.run_in_executor(None, load_dataset, data_cfg, run.model)
+        t_data = time.monotonic()
         self.sampler = ShardSampler(self.dataset.num_train, cfg.trainer_index, num_trainers, data_cfg.seed)
         if cfg.sample_log:
             self._sample_log = open(cfg.sample_log.replace("{trainer}", str(cfg.trainer_index)), "a")  # noqa: SIM115
@@ -123,6 +127,10 @@ class Trainer:
         )  # fmt: skip
         self._background.append(asyncio.create_task(self.honesty.run()))
         self.metrics = Announcer(self._publish_metrics, METRICS_PERIOD_S, METRICS_TTL_S, name="trainer-metrics").start()
+        logger.info(
+            "set up in %.1f s (DHT %.1f s, run config %.1f s, data %.1f s)",
+            time.monotonic() - t0, t_dht - t0, t_config - t_dht, t_data - t_config,
+        )  # fmt: skip
 
     def _publish_metrics(self, ttl: float) -> bool:
         """Refresh this trainer's DHT record (the dashboard reads it); runs on the announcer's thread."""
