@@ -232,6 +232,8 @@ class Peer:
         if ex is not None:
             out.update(step=ex.step, **ex.counters_dict())
         out["partials_fetched"] = 0 if self.partials is None else self.partials.fetches
+        stepper = None if m is None or m.runtime is None else m.runtime.stepper
+        out["slow_accusation_reads"] = 0 if stepper is None else stepper.slow_accusation_reads
         return out
 
     async def shutdown(self) -> None:

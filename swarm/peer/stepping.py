@@ -41,6 +41,10 @@ FINGERPRINT_TOLERANCE = 1e-9  # relative; rounding noise is orders of magnitude 
 AGREE_WAIT_S = 3.0  # how long a frozen peer waits for its mates to freeze the same update
 AGREE_POLL_S = 0.05
 CONTRIBUTIONS_TIMEOUT_S = 5.0
+# how long an update waits for the accusations read it starts: a DHT with a dead node in its routes (the
+# coordinator or a peer just killed, a cut link) answers a get only after hivemind's 3 s RPC timeout,
+# which held up every update of every stage for as long as the dead node stayed in the routes
+ACCUSATIONS_WAIT_S = 0.5
 
 
 def fingerprints_agree(a: tuple[float, float], b: tuple[float, float], tol: float = FINGERPRINT_TOLERANCE) -> bool:
@@ -90,6 +94,8 @@ class StepCoordinator:
         self.stall_report_s = stall_report_s  # a stage short of its global batch this long says so
         self.peer_id = mates.peer_id
         self.resyncs = 0
+        self.slow_accusation_reads = 0
+        self._accusations_read: asyncio.Future | None = None
         self.last_averaging_s = 0.0
         self.failed_rounds = 0
         self._last_total: tuple[int, int] = (-1, -1)
@@ -187,6 +193,21 @@ class StepCoordinator:
             self.after_update(ex.step)
 
     async def _read_accusations(self) -> None:
+        """Read the accusations, waiting at most ACCUSATIONS_WAIT_S: a read that takes longer goes on and
+        applies what it finds when it returns (and the periodic refresh reads them too), so a peer accused
+        while the DHT is slow is left out from the next update instead of this one."""
+        if self._accusations_read is None or self._accusations_read.done():
+            self._accusations_read = asyncio.ensure_future(self._read_accusations_now())
+        try:
+            await asyncio.wait_for(asyncio.shield(self._accusations_read), ACCUSATIONS_WAIT_S)
+        except TimeoutError:
+            self.slow_accusation_reads += 1
+            logger.info(
+                "reading the accusations takes over %.1f s (a dead DHT node in the routes?): update %d goes on "
+                "with those read before", ACCUSATIONS_WAIT_S, self.executor.step,
+            )  # fmt: skip
+
+    async def _read_accusations_now(self) -> None:
         try:
             await self.mates.refresh_accusations()
         except Exception as e:  # noqa: BLE001 - the periodic refresh still reads them
