@@ -26,10 +26,6 @@ from swarm.wire.pool import ClientPool
 
 logger = logging.getLogger(__name__)
 
-# Info polls in a row refused outright before a peer counts as dead without waiting for the liveness
-# window (a killed peer's port refuses at once; 0.2 s at the 10 Hz poll instead of 4 s)
-REFUSALS_DEAD = 2
-
 
 @dataclass
 class PeerStatus:
@@ -42,7 +38,6 @@ class PeerStatus:
     last_info_ok: float = 0.0
     first_seen: float = field(default_factory=time.monotonic)
     info_failures: int = 0
-    refusals: int = 0  # Info polls in a row refused outright (nothing listens at its address any more)
     fingerprint: tuple[float, float] = (0.0, 0.0)
     epoch: int = 0  # accumulator epoch: gradients it held under an older one are gone
     note: str = ""  # why it is not serving yet, as it says
@@ -58,12 +53,6 @@ class PeerStatus:
     @property
     def stage(self) -> int:
         return self.load.stage
-
-
-def _refused(error: grpc.aio.AioRpcError) -> bool:
-    """The peer's address refused the connection: its process is gone (a stopped or cut-off one still
-    takes connections, or times out, and gets the liveness window)."""
-    return error.code() == grpc.StatusCode.UNAVAILABLE and "connection refused" in (error.details() or "").lower()
 
 
 def _fallbacks_of(text: str) -> dict[str, int]:
@@ -124,7 +113,7 @@ class SwarmView:
 
     def is_live(self, status: PeerStatus, now: float | None = None) -> bool:
         now = time.monotonic() if now is None else now
-        if not status.record_state.serving or status.refusals >= REFUSALS_DEAD:
+        if not status.record_state.serving:
             return False
         if status.last_info_ok:
             return now - status.last_info_ok < LIVENESS_WINDOW_S
@@ -232,9 +221,8 @@ class SwarmView:
     async def _poll_one(self, status: PeerStatus) -> None:
         try:
             info = await self.clients.get(status.load.address).info(timeout=self.info_timeout_s)
-        except grpc.aio.AioRpcError as e:
+        except grpc.aio.AioRpcError:
             status.info_failures += 1
-            status.refusals = status.refusals + 1 if _refused(e) else 0
             return
         except Exception as e:  # noqa: BLE001
             logger.debug("info poll of %s failed: %s", status.load.address, e)
@@ -242,9 +230,8 @@ class SwarmView:
             return
         if info.peer_id and info.peer_id != status.peer_id:
             status.info_failures += 1  # a different process now listens at that address
-            status.refusals = REFUSALS_DEAD
             return
-        status.info_failures = status.refusals = 0
+        status.info_failures = 0
         status.last_info_ok = time.monotonic()
         status.step = int(info.step)
         status.accumulating_step = int(info.accumulating_step)
