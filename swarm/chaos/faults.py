@@ -106,19 +106,26 @@ def kill(ctx: FaultContext) -> str | None:
     return f"SIGKILL {victim.name}"
 
 
+def _hold(ctx: FaultContext, victim: ManagedProcess, longest_s: float, release: Callable[[], None]) -> float:
+    """Keep a held victim (stopped, cut off) out of the victim choice until `release` runs, after a
+    random pause of 2 s to `longest_s`; returns the pause."""
+    ctx.stopped.add(victim.pid)
+    pause = ctx.rng.uniform(2.0, longest_s)
+
+    def end() -> None:
+        release()
+        ctx.stopped.discard(victim.pid)
+
+    ctx.later(pause, end)
+    return pause
+
+
 def stop(ctx: FaultContext) -> str | None:
     victim = pick_victim(ctx)
     if victim is None:
         return None
     victim.send_signal(signal.SIGSTOP)
-    ctx.stopped.add(victim.pid)
-    pause = ctx.rng.uniform(2.0, ctx.opts.stop_pause_s)
-
-    def resume() -> None:
-        victim.send_signal(signal.SIGCONT)
-        ctx.stopped.discard(victim.pid)
-
-    ctx.later(pause, resume)
+    pause = _hold(ctx, victim, ctx.opts.stop_pause_s, lambda: victim.send_signal(signal.SIGCONT))
     return f"SIGSTOP {victim.name} for {pause:.1f} s"
 
 
@@ -165,14 +172,7 @@ def cut(ctx: FaultContext) -> str | None:
     if victim is None:
         return None
     lab.cut(victim.name)
-    ctx.stopped.add(victim.pid)
-    pause = ctx.rng.uniform(2.0, ctx.opts.cut_pause_s)
-
-    def mend() -> None:
-        lab.cut(victim.name, False)
-        ctx.stopped.discard(victim.pid)
-
-    ctx.later(pause, mend)
+    pause = _hold(ctx, victim, ctx.opts.cut_pause_s, lambda: lab.cut(victim.name, False))
     return f"link of {victim.name} cut for {pause:.1f} s"
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import selectors
 import subprocess
 import sys
 import threading
@@ -108,8 +109,6 @@ class LabObserver:
 
 
 def _readline(stream, timeout_s: float) -> str | None:
-    import selectors
-
     with selectors.DefaultSelector() as sel:
         sel.register(stream, selectors.EVENT_READ)
         return stream.readline() if sel.select(timeout_s) else None
