@@ -140,7 +140,12 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         LocalOptions, args, stages=stages, run_id=run_id, run_args=["--config-json", run.to_json()],
         peer_args=list(args.peer_arg),
     )  # fmt: skip
-    result = run_chaos(chaos, local, run)
+    signal.signal(signal.SIGTERM, _interrupt)  # stop everything (and remove a --netns lab) as on Ctrl-C
+    try:
+        result = run_chaos(chaos, local, run)
+    except KeyboardInterrupt:
+        print("\ninterrupted: every process of the chaos run was stopped; no ledger check", file=sys.stderr)
+        return 130
     print_result(result, args.json)
     return 0 if result["ledger_ok"] and result["leftover_processes"] == 0 else 1
 

@@ -21,6 +21,7 @@ from swarm.core.settings import DHT_REFRESH_S, INFO_PERIOD_S, INFO_TIMEOUT_S, LI
 from swarm.core.states import PeerState
 from swarm.dht.node import SwarmDHT
 from swarm.dht.records import Accusation, AccusationRecord, PeerEntry
+from swarm.policy.polling import DHT_ENTRY_BYTES, dht_period
 from swarm.policy.wiring import PeerLoad
 from swarm.wire.pool import ClientPool
 
@@ -45,6 +46,8 @@ class PeerStatus:
     uptime_s: float = 0.0
     samples_processed: int = 0
     fallbacks: dict[str, int] = field(default_factory=dict)  # what its stage did off the normal path
+    poll_period_s: float = INFO_PERIOD_S  # how often it asks to be polled (swarm.policy.polling)
+    next_poll: float = 0.0  # when the view's loop polls it next
 
     @property
     def peer_id(self) -> str:
@@ -116,7 +119,8 @@ class SwarmView:
         if not status.record_state.serving:
             return False
         if status.last_info_ok:
-            return now - status.last_info_ok < LIVENESS_WINDOW_S
+            # a peer polled less often (it has many pollers) gets as many polls' time to answer
+            return now - status.last_info_ok < max(LIVENESS_WINDOW_S, 3 * status.poll_period_s)
         # never reached yet: optimistic until the first poll fails
         return status.info_failures == 0 and now - status.first_seen < LIVENESS_WINDOW_S + self.info_timeout_s
 
@@ -219,6 +223,7 @@ class SwarmView:
                     self.accused[accusation.accused] = accusation
 
     async def _poll_one(self, status: PeerStatus) -> None:
+        status.next_poll = time.monotonic() + self.info_period_s  # after a failure: try again at the base rate
         try:
             info = await self.clients.get(status.load.address).info(timeout=self.info_timeout_s)
         except grpc.aio.AioRpcError:
@@ -233,6 +238,9 @@ class SwarmView:
             return
         status.info_failures = 0
         status.last_info_ok = time.monotonic()
+        if info.poll_period_ms > 0:
+            status.poll_period_s = max(self.info_period_s, info.poll_period_ms / 1000)
+        status.next_poll = status.last_info_ok + status.poll_period_s
         status.step = int(info.step)
         status.accumulating_step = int(info.accumulating_step)
         status.samples_accumulated = int(info.samples_accumulated)
@@ -248,12 +256,18 @@ class SwarmView:
         if info.throughput > 0:
             status.load.throughput = info.throughput
 
-    async def poll_info(self, stages: set[int] | None = None, concurrency: int | None = None) -> None:
-        """Poll the Info of every known peer (of `stages`), at most `concurrency` at a time."""
+    async def poll_info(
+        self, stages: set[int] | None = None, concurrency: int | None = None, due_only: bool = False
+    ) -> None:
+        """Poll the Info of every known peer (of `stages`), at most `concurrency` at a time; `due_only`:
+        only those whose poll period (the one each asks for) has passed."""
+        now = time.monotonic()
         targets = [
             s
             for s in self.peers.values()
-            if s.record_state != PeerState.OFFLINE and (stages is None or s.stage in stages)
+            if s.record_state != PeerState.OFFLINE
+            and (stages is None or s.stage in stages)
+            and (not due_only or s.next_poll <= now)
         ]
         if targets and concurrency:
             limit = asyncio.Semaphore(concurrency)
@@ -278,11 +292,15 @@ class SwarmView:
                 await self.refresh_dht()
             except Exception as e:  # noqa: BLE001 - keep the view alive through DHT hiccups
                 logger.warning("DHT refresh failed: %s", e)
-            await asyncio.sleep(self.dht_period_s)
+            # every process re-reads every stage record: stretched as the swarm grows, so that a record's
+            # replicas serve a bounded number of reads (readers: the peers known; trainers are few)
+            known = len(self.peers)
+            record_bytes = known / max(1, self.num_stages) * DHT_ENTRY_BYTES
+            await asyncio.sleep(dht_period(known, record_bytes, self.dht_period_s))
 
     async def _info_loop(self) -> None:
         while True:
-            await self.poll_info(self.poll_stages)
+            await self.poll_info(self.poll_stages, due_only=True)
             await asyncio.sleep(self.info_period_s)
 
     def start(self, poll_stages: set[int] | None = None) -> None:

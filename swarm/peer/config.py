@@ -67,12 +67,17 @@ class PeerConfig:
     )
     move_cooldown_s: float = setting(60.0, "seconds after joining or moving before this peer moves (again)")
     events_ttl_s: float = setting(600.0, "seconds this peer's recent events stay on the DHT", cli=False)
+    activation_cache_mb: int = setting(
+        256, "MiB of forward activations kept for the same microbatch's backward here (0: always recompute)"
+    )
 
     def __post_init__(self) -> None:
         if self.stage != "auto" and not str(self.stage).isdigit():
             raise ValueError(f"--stage must be a stage index or 'auto', got {self.stage!r}")
         if self.checkpoint_every < 1:
             raise ValueError("--checkpoint-every must be >= 1")
+        if self.activation_cache_mb < 0:
+            raise ValueError("--activation-cache-mb must be >= 0 (0 turns the cache off)")
 
     @property
     def max_message_bytes(self) -> int:

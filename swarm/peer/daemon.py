@@ -234,6 +234,7 @@ class Peer:
         out["partials_fetched"] = 0 if self.partials is None else self.partials.fetches
         stepper = None if m is None or m.runtime is None else m.runtime.stepper
         out["slow_accusation_reads"] = 0 if stepper is None else stepper.slow_accusation_reads
+        out["update_timeline"] = {} if stepper is None else stepper.timeline.as_dict()
         return out
 
     async def shutdown(self) -> None:

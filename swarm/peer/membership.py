@@ -200,6 +200,7 @@ class Membership:
             predict_params=run.sync == SyncMode.ASYNC and run.predict_params,
             prior_samples=max(1, run.global_batch // 4),
             ledger=StageLedger(stage, self._ledger_path(stage)),
+            activation_budget_bytes=cfg.activation_cache_mb << 20,
         )
         executor.lie = self.serving.lie
         rt = self.runtime = StageRuntime(stage, built, executor)

@@ -29,6 +29,7 @@ from swarm.core.errors import (
     SwarmError,
     WrongTarget,
 )
+from swarm.core.settings import INFO_PERIOD_S
 from swarm.peer.admission import Admission
 from swarm.peer.agreement import contributions_response, ledger_chunks
 from swarm.peer.executor import StageExecutor
@@ -37,6 +38,7 @@ from swarm.peer.requests import check_grad_output, decode_targets
 from swarm.peer.serving import Limits, ServingState
 from swarm.peer.state_transfer import StateSnapshots
 from swarm.peer.streaming import StreamedRequest
+from swarm.policy.polling import PollerCount, info_period
 from swarm.training.models import StageSchema
 from swarm.wire import codec, messages
 from swarm.wire.auth import ServerAuth
@@ -86,6 +88,7 @@ class StageService:
         self.serving = serving
         self.limits = limits
         self.admission = Admission(limits)
+        self.pollers = PollerCount()  # who polls this peer's Info: sets the period it asks them for
         self.states = StateSnapshots()
 
     # ---- computing: a request is one part (unary) or several (streamed) ----
@@ -110,15 +113,19 @@ class StageService:
             schema.input.check(x, "input", self.limits.max_batch)
             t = None if targets is None else targets[offset : offset + n]
             if kind == "forward":
-                result = await asyncio.wrap_future(executor.forward(x, t, validation=msg.validation, tag=int(msg.step)))
+                fkey = f"{msg.request_id}#{index}" if acc["streamed"] else msg.request_id
+                future = executor.forward(x, t, validation=msg.validation, tag=int(msg.step), key=fkey)
+                result = await asyncio.wrap_future(future)
                 out = result.output
             else:
                 grad = None if schema.is_last else check_grad_output(grad, n)
                 key = msg.contribution_id or msg.request_id
                 key = f"{key}#{index}" if acc["streamed"] else key
+                fkey = f"{msg.forward_id}#{index}" if acc["streamed"] and msg.forward_id else msg.forward_id
                 future = executor.backward(
-                    x, grad, t, key, int(msg.step), int(msg.samples_digest), check_only=msg.check_only
-                )
+                    x, grad, t, key, int(msg.step), int(msg.samples_digest), check_only=msg.check_only,
+                    forward_key=fkey,
+                )  # fmt: skip
                 result = await asyncio.wrap_future(future)
                 out = result.grad_input
                 acc["accumulated_step"] = max(acc.get("accumulated_step", 0), result.accumulated_step)
@@ -245,6 +252,8 @@ class StageService:
     async def info(self, raw: bytes, context) -> bytes:
         answer = self.serving.info()
         answer.streams_peak = self.admission.streams_peak
+        pollers = self.pollers.seen(context.peer() or "")
+        answer.poll_period_ms = round(1000 * info_period(pollers, INFO_PERIOD_S))
         return answer.SerializeToString()
 
     async def forward(self, raw: bytes, context) -> bytes:

@@ -25,6 +25,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from typing import Protocol
 
 from swarm.cluster.view import PeerStatus
@@ -45,6 +46,39 @@ CONTRIBUTIONS_TIMEOUT_S = 5.0
 # coordinator or a peer just killed, a cut link) answers a get only after hivemind's 3 s RPC timeout,
 # which held up every update of every stage for as long as the dead node stayed in the routes
 ACCUSATIONS_WAIT_S = 0.5
+
+
+@dataclass
+class UpdateTimeline:
+    """Where a stage's step time goes, summed over the updates this peer applied: from the previous
+    update to this one (`interval_s`), of which the update itself took freezing (and reading the
+    accusations), agreeing with the mates on what it holds, the all-reduce, and applying it; the
+    rest of the interval is compute and waiting for samples. Failed rounds' time is counted apart."""
+
+    updates: int = 0
+    interval_s: float = 0.0  # summed over updates after the first (each needs a previous one)
+    intervals: int = 0
+    freeze_s: float = 0.0
+    agree_s: float = 0.0
+    allreduce_s: float = 0.0
+    apply_s: float = 0.0
+    failed_round_s: float = 0.0
+    last_applied: float | None = None
+
+    def record(self, start: float, frozen: float, agreed: float, averaged: float, applied: float) -> None:
+        self.updates += 1
+        self.freeze_s += frozen - start
+        self.agree_s += agreed - frozen
+        self.allreduce_s += averaged - agreed
+        self.apply_s += applied - averaged
+        if self.last_applied is not None:
+            self.interval_s += applied - self.last_applied
+            self.intervals += 1
+        self.last_applied = applied
+
+    def as_dict(self) -> dict[str, float | int]:
+        out = {k: v for k, v in asdict(self).items() if k != "last_applied"}
+        return {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
 
 
 def fingerprints_agree(a: tuple[float, float], b: tuple[float, float], tol: float = FINGERPRINT_TOLERANCE) -> bool:
@@ -98,6 +132,7 @@ class StepCoordinator:
         self._accusations_read: asyncio.Future | None = None
         self.last_averaging_s = 0.0
         self.failed_rounds = 0
+        self.timeline = UpdateTimeline()
         self._last_total: tuple[int, int] = (-1, -1)
         self._last_change = time.monotonic()
         self._stall_reported = False
@@ -168,21 +203,28 @@ class StepCoordinator:
                     self.resyncs += 1
             return
         # a peer accused a moment ago takes no part (its accusation is read while this one freezes)
+        start = time.monotonic()
         frozen, _ = await asyncio.gather(asyncio.wrap_future(ex.call(ex.take_accumulated)), self._read_accusations())
         if self.mates.is_accused():  # this peer itself: its mates will not average with it
             await asyncio.wrap_future(ex.call(ex.unfreeze))
             return
+        t_frozen = time.monotonic()
         agreement = await self._agree(frozen)
         if agreement is None or not await self._settle(agreement):
+            self.timeline.failed_round_s += time.monotonic() - start
             return
+        t_agreed = time.monotonic()
         averaged = await self._average(frozen, agreement)
         if averaged is None:
             await asyncio.wrap_future(ex.call(ex.unfreeze))
+            self.timeline.failed_round_s += time.monotonic() - start
             return
+        t_averaged = time.monotonic()
         members = agreement.members
         norm = await asyncio.wrap_future(
             ex.call(lambda: ex.apply_mean_gradient(averaged, frozen.step, members, agreement.union))
         )
+        self.timeline.record(start, t_frozen, t_agreed, t_averaged, time.monotonic())
         set_context(step=ex.step)
         logger.info(
             "applied update %d: %d samples here, %d in all, averaged over %d peer(s) in %.2f s (grad norm %.3f)",

@@ -14,6 +14,9 @@ import random
 from dataclasses import dataclass
 
 MIN_THROUGHPUT = 1e-3  # samples/s, so an unmeasured peer is still choosable
+# a backward goes to the peer that ran its forward (it may hold the activations: a third less compute)
+# unless that peer's expected finish is more than this factor above the best one's
+PREFER_SLACK = 1.5
 
 
 @dataclass
@@ -72,21 +75,29 @@ class Wiring:
         task_samples: float,
         now: float,
         exclude: frozenset[str] | set[str] = frozenset(),
+        prefer: str | None = None,
     ) -> PeerLoad | None:
-        """The eligible peer with the lowest expected finish time, ties broken at random."""
+        """The eligible peer with the lowest expected finish time, ties broken at random; `prefer`
+        (a peer id) wins while eligible and within PREFER_SLACK of the best finish time."""
         best: list[PeerLoad] = []
         best_finish = float("inf")
+        preferred: tuple[PeerLoad, float] | None = None
         for p in peers:  # one pass: this runs for every hop of every microbatch (and in the simulator)
             if not p.online or p.banned_until > now or p.peer_id in exclude:
                 continue
             finish = p.expected_finish(task_samples)
+            if p.peer_id == prefer:
+                preferred = (p, finish)
             if finish < best_finish * (1 - self.tie_tolerance) - 1e-12:
                 best, best_finish = [p], finish
             elif finish <= best_finish * (1 + self.tie_tolerance) + 1e-12:
                 best.append(p)
         if not best:
             return None
-        chosen = best[0] if len(best) == 1 else self.rng.choice(best)
+        if preferred is not None and preferred[1] <= PREFER_SLACK * best_finish + 1e-12:
+            chosen = preferred[0]
+        else:
+            chosen = best[0] if len(best) == 1 else self.rng.choice(best)
         chosen.assigned += 1
         return chosen
 

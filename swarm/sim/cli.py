@@ -42,7 +42,7 @@ peer on one stage; peer speed, bandwidth and latency are lognormal (median, sigm
 """
 
 EPILOG = """\
-example:  swarm sim --peers 10000 --stages 16 --polling budget      (one run, about 25 CPU-seconds)
+example:  swarm sim --peers 10000 --stages 16                      (one run, about 25 CPU-seconds)
           swarm sim --peers 1000 --stages 8 --policy all --rebalance both --json    (6 runs, plots in ./sim_out)
           swarm sim --peers 100 --stages 4 --sync exact --global-batch 200000 --preemption-rate 0.5
 """
@@ -259,9 +259,10 @@ def _add_polling_options(p: argparse.ArgumentParser, d: SimConfig) -> None:
         "--polling",
         choices=POLLING_MODES,
         default=d.polling,
-        help="fixed (default): every --info-period and --dht-period, as the code does; budget: a peer answers at "
-        "most --info-budget polls/s (pollers stretch their period) and a record replica serves at most "
-        "--info-budget reads/s and --dht-budget-mbps",
+        help="budget (default, as the code does: swarm.policy.polling): a peer answers at most --info-budget "
+        "polls/s (its pollers stretch their period) and a record replica serves at most --info-budget reads/s "
+        "and --dht-budget-mbps; fixed: every --info-period and --dht-period, whatever the swarm's size (the "
+        "code before the budget)",
     )
     g.add_argument("--info-period", type=float, default=d.info_period, help="s between polls (%(default)s)")
     g.add_argument(

@@ -70,7 +70,9 @@ class SimConfig:
     ahead_after: float = 0.75  # async: share of a step done before the next one starts (RunConfig's)
     stage_param_mb: float = 100.0  # MB of gradient each peer of a stage all-reduces per step (fp16)
     # Info polls and DHT reads (swarm.cluster.view), and what they cost the peers that answer them
-    polling: str = "fixed"  # fixed: every INFO_PERIOD_S, as the code does | budget: a cap per peer
+    # budget: each peer caps the polls it answers and the DHT reads stretch, as the code does
+    # (swarm.policy.polling) | fixed: every INFO_PERIOD_S and DHT_REFRESH_S, as the code did before
+    polling: str = "budget"
     info_period: float = INFO_PERIOD_S  # s between two polls of one peer by one poller
     info_cost_ms: float = 0.25  # CPU ms of one Info exchange at each end (scripts/bench_info.py: 0.24-0.41)
     info_bytes: float = 400.0  # bytes of one Info exchange (request, response, gRPC framing)
@@ -188,7 +190,7 @@ class RunResult:
     final_peers: int
     # steps: the barrier and the all-reduce
     sync: str = "async"
-    polling: str = "fixed"
+    polling: str = "budget"
     global_batch: float = 0.0
     steps_per_sim_step: int = 1  # optimizer steps one simulated step stands for (swarm.sim.steps)
     steps: int = 0  # the global step at the end (optimizer steps every stage applied)

@@ -19,17 +19,21 @@ entries of `dht_record_bytes`, and each one is stored on `dht_replicas` peers, w
   the trainers' views after a uniform draw within one DHT period, and a dead one dropped after
   `dead_after` plus one Info period (the last answer can be a period old).
 
-`polling="budget"` models a mitigation: each peer answers at most `info_budget` Info polls per
-second (its pollers stretch their period to pollers / budget) and every process stretches its DHT
-period so that no replica serves more than `info_budget` reads or `dht_budget_mbps` per second.
-Costs fall; staleness grows. All rates are steady-state figures of the current stage sizes,
-recomputed whenever a stage changes. The trainers' view of a peer's queue stays current either way
-(hops last seconds to minutes here, longer than any poll period).
+`polling="budget"` (the default) is what the code does (swarm.policy.polling, the same functions):
+each peer answers at most `info_budget` Info polls per second (its pollers stretch their period to
+pollers / budget) and every process stretches its DHT period so that no replica serves more than
+`info_budget` reads or `dht_budget_mbps` per second. Costs fall; staleness grows. `polling="fixed"`
+is the code before that: fixed periods whatever the swarm's size. All rates are steady-state
+figures of the current stage sizes, recomputed whenever a stage changes. The trainers' view of a
+peer's queue stays current either way (hops last seconds to minutes here, longer than any poll
+period).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from swarm.policy.polling import dht_period, info_period
 
 MIN_CPU_SHARE = 0.02  # a peer drowned in polls still computes this share of its throughput
 MIN_LINK_SHARE = 0.05
@@ -55,7 +59,7 @@ def poll_load(n: int, trainers: int, cfg) -> PollLoad:
     pollers = max(0, n - 1) + trainers
     period = cfg.info_period
     if cfg.polling == "budget":
-        period = max(period, pollers / cfg.info_budget)
+        period = info_period(pollers, period, cfg.info_budget)
     answers, polls = pollers / period, max(0, n - 1) / period
     return PollLoad(
         answers_s=answers,
@@ -82,9 +86,7 @@ def dht_load(alive: int, trainers: int, stages: int, cfg) -> DhtLoad:
     period = cfg.dht_period
     record = alive / max(1, stages) * cfg.dht_record_bytes  # one stage's record: all its peers' entries
     if cfg.polling == "budget":
-        by_reads = readers / (cfg.dht_replicas * cfg.info_budget)
-        by_bytes = readers * record / (cfg.dht_replicas * cfg.dht_budget_mbps * 1e6 / 8)
-        period = max(period, by_reads, by_bytes)
+        period = dht_period(readers, record, period, cfg.dht_replicas, cfg.info_budget, cfg.dht_budget_mbps * 1e6 / 8)
     reads = readers / period / cfg.dht_replicas
     return DhtLoad(
         period_s=period,

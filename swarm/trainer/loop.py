@@ -174,10 +174,13 @@ class Trainer:
     def _request_id(self, mb: Microbatch, stage: int, kind: str) -> str:
         return f"{mb.cid}:{stage}:{kind}:{next(self._calls)}"
 
-    async def _forward(self, mb: Microbatch) -> list[WireTensor | None]:
-        """Stage inputs 0..S-1, as they travel (encoded: the trainer relays them without decoding)."""
+    async def _forward(self, mb: Microbatch) -> tuple[list[WireTensor | None], list[tuple[str, str]]]:
+        """Stage inputs 0..S-1, as they travel (encoded: the trainer relays them without decoding),
+        and each forward's (request id, peer id): the backward names it and prefers that peer, which
+        may still hold the forward's activations."""
         run = self.run
         inputs: list[WireTensor | None] = [WireTensor.encode(mb.inputs, self.codec)]
+        forwards: list[tuple[str, str]] = []
         for k in range(run.num_stages - 1):
             req = pb.ForwardRequest(
                 request_id=self._request_id(mb, k, "f"), run_id=run.run_id, stage=k, step=mb.step_tag,
@@ -190,11 +193,12 @@ class Trainer:
             if self.honesty.should_check():
                 answered = await self.honesty.check(k, "forward", req, tensors, mb.samples, answered)
             inputs.append(answered[1])
-        return inputs
+            forwards.append((req.request_id, answered[2].peer_id))
+        return inputs, forwards
 
     async def _process(self, mb: Microbatch) -> None:
         run = self.run
-        inputs = await self._forward(mb)
+        inputs, forwards = await self._forward(mb)
         targets = codec.to_proto(codec.encode(mb.targets, pb.CODEC_NONE))
         grad: WireTensor | None = None
         for k in reversed(range(run.num_stages)):
@@ -203,14 +207,16 @@ class Trainer:
                 reply_codec=self.codec, num_samples=mb.samples, contribution_id=mb.cid, samples_digest=mb.digest,
             )  # fmt: skip
             tensors = {"input": inputs[k]}
+            prefer = None
             if k == run.num_stages - 1:
                 req.targets.CopyFrom(targets)
             else:
                 tensors["grad_output"] = grad
+                req.forward_id, prefer = forwards[k]
             # no retry cap: later stages already hold this microbatch's gradient
             msg, grad, peer = answered = await self.router.call(
                 k, req, tensors, mb.samples, "backward", retry_limit=NO_RETRY_CAP,
-                min_step=mb.step_tag if run.exact else None,
+                min_step=mb.step_tag if run.exact else None, prefer=prefer,
             )  # fmt: skip
             if k == run.num_stages - 1:
                 self.honesty.remember(k, "backward", req, tensors, mb.samples)

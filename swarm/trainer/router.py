@@ -74,13 +74,15 @@ class Router:
         self.cfg, self.view, self.clients, self.wiring, self.stats = cfg, view, clients, wiring, stats
         self.num_stages = num_stages
 
-    async def _choose(self, stage: int, samples: int, min_step: int | None, exclude: set[str]) -> PeerLoad:
+    async def _choose(
+        self, stage: int, samples: int, min_step: int | None, exclude: set[str], prefer: str | None = None
+    ) -> PeerLoad:
         """The best usable peer of `stage`, waiting (up to the stage wait) while there is none."""
         wait_deadline = None
         while True:
             now = time.monotonic()
             loads = self.view.stage_loads(stage, min_step)
-            peer = self.wiring.choose(loads, samples, now, exclude)
+            peer = self.wiring.choose(loads, samples, now, exclude, prefer=prefer)
             if peer is None and exclude:
                 exclude.clear()  # every candidate was tried: give the unbanned ones another go
                 peer = self.wiring.choose(loads, samples, now)
@@ -133,19 +135,21 @@ class Router:
         exclude: set[str] | None = None,
         retry_limit: int | None = -1,
         min_step: int | None = None,
+        prefer: str | None = None,
     ) -> tuple[object, WireTensor | None, PeerLoad]:
         """Send to the best peer of `stage`; on failure ban it and retry elsewhere.
 
         Retries are capped at `retry_limit` (default: --max-retries; NO_RETRY_CAP for calls that must
         not give up because part of the microbatch's gradient is already accumulated). Waiting for a
         usable peer is capped by the stage wait either way. `min_step`: prefer peers that have
-        applied step min_step - 1 (exact mode).
+        applied step min_step - 1 (exact mode). `prefer`: the peer that ran this microbatch's forward
+        (it may hold its activations), taken unless clearly more loaded than the best one.
         """
         retry_limit = self.cfg.max_retries if retry_limit == -1 else retry_limit
         exclude = set(exclude or ())
         attempts = 0
         while True:
-            peer = await self._choose(stage, samples, min_step, exclude)
+            peer = await self._choose(stage, samples, min_step, exclude, prefer)
             timeout = self.cfg.min_deadline_s + self.cfg.deadline_factor * peer.expected_finish(samples)
             alone = peer.in_flight == 0  # only then does the call's time measure the peer, not our queue
             peer.in_flight += samples

@@ -16,6 +16,12 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
         ("grpc.keepalive_timeout_ms", 5_000),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
+        # reconnecting after a network cut: gRPC's defaults (a 20 s minimum per connection attempt,
+        # back-off growing to 120 s) are meant for services, and kept a peer whose link came back
+        # unreachable for tens of seconds; a swarm's peers come and go
+        ("grpc.initial_reconnect_backoff_ms", 1_000),
+        ("grpc.min_reconnect_backoff_ms", 5_000),  # gRPC's MIN_CONNECT_TIMEOUT: one attempt's deadline
+        ("grpc.max_reconnect_backoff_ms", 10_000),
     ]
 
 

@@ -19,6 +19,8 @@ KEYS = (
     "torch_gpipe_samples_per_s",
     "torch_1f1b_samples_per_s",
     "ratio_vs_torch_best",
+    "swarm_exact_samples_per_s",
+    "ratio_exact_vs_torch_best",
     "swarm_2x_samples_per_s",
 )
 
@@ -47,3 +49,9 @@ def test_bench_pipeline_quick_json(tmp_path):
     assert config["microbatches"] == config["global_batch"] // config["microbatch"]
     assert record["machine"]["cpu_count"] >= 1 and record["machine"]["platform"]
     assert record["swarm_sync"] in ("exact", "async")
+    # the process count on each side, stated: the swarm side runs peers, a trainer, a coordinator and
+    # their DHT and p2pd processes (at least 3 peers + trainer + coordinator)
+    processes = record["processes"]
+    # in exact mode a backward runs at the parameters of its forward: most find their kept activations
+    assert record["activation_hit_rate"]["exact_1x"] > 0.5, record["activation_hit_rate"]
+    assert processes["torch"] == 3 and processes["swarm_exact_1x"] >= 5 and processes["swarm_exact_2x"] >= 8

@@ -302,7 +302,7 @@ def test_step_defaults_are_the_trainers():
 
 
 def test_polling_cost_grows_with_trainers_and_peers_and_the_budget_caps_it():
-    cfg = SimConfig()
+    cfg = SimConfig(polling="fixed")
     base = poll_load(100, 1, cfg)
     assert base.answers_s == pytest.approx((99 + 1) / cfg.info_period)
     assert poll_load(100, 10, cfg).answers_s > base.answers_s  # more trainers

@@ -24,6 +24,7 @@ import torch
 from swarm.core.checks import all_finite
 from swarm.core.errors import ExecutorStopped, NonFiniteResult, Overloaded, RequestInvalid, SwarmError
 from swarm.peer.executor.accumulators import Accumulators
+from swarm.peer.executor.activations import ActivationCache, Kept, saved_bytes
 from swarm.peer.executor.lookahead import LookAhead
 from swarm.peer.executor.tasks import BACKWARD, CALL, EVAL, FORWARD, BackwardResult, ForwardResult, Task, take_batch
 from swarm.peer.executor.updates import ExecutorCounters, StageUpdates
@@ -51,6 +52,7 @@ class StageExecutor(StageUpdates):
         ledger: StageLedger | None = None,
         max_queue_tasks: int = 4096,
         max_queue_bytes: int = 1 << 30,
+        activation_budget_bytes: int = 0,
     ) -> None:
         self.built = built
         self.device = torch.device(device)
@@ -67,6 +69,7 @@ class StageExecutor(StageUpdates):
         self.lie = None  # debug only (swarm.core.debug.LiePlan): a dishonest peer
         self.predict_params = predict_params
         self.lookahead = LookAhead(self.optimizer, optim, self.params, prior_samples)
+        self.activations = ActivationCache(activation_budget_bytes)  # forwards kept for their backward
         self.counters = ExecutorCounters()
         self.throughput_ema: float | None = None  # samples/s of forward+backward work, measured
         # every applied update and the contributions it holds: travels with the state, so that a
@@ -99,7 +102,7 @@ class StageExecutor(StageUpdates):
         return self.acc.samples_for(self.step)
 
     def counters_dict(self) -> dict[str, int | float]:
-        return {**asdict(self.counters), **asdict(self.lookahead.counters)}
+        return {**asdict(self.counters), **asdict(self.lookahead.counters), **asdict(self.activations.counters)}
 
     # ---- submission (any thread) ----
 
@@ -121,9 +124,15 @@ class StageExecutor(StageUpdates):
         return task.future
 
     def forward(
-        self, inputs: torch.Tensor, targets: torch.Tensor | None = None, validation: bool = False, tag: int = 0
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        validation: bool = False,
+        tag: int = 0,
+        key: str = "",
     ) -> concurrent.futures.Future:
-        return self.submit(Task(EVAL if validation else FORWARD, inputs, targets, tag=tag))
+        """`key`: a training forward's id, under which its activations may be kept for its backward."""
+        return self.submit(Task(EVAL if validation else FORWARD, inputs, targets, request_id=key, tag=tag))
 
     def backward(
         self,
@@ -134,11 +143,16 @@ class StageExecutor(StageUpdates):
         tag: int = 0,
         digest: int = 0,
         check_only: bool = False,
+        forward_key: str = "",
     ) -> concurrent.futures.Future:
         """Accumulate the gradient of (inputs, grad_output or targets) into update `tag`, once per
         `request_id` (a contribution part id). `check_only`: a trainer's spot check of a mate's answer:
-        the input gradient only, nothing accumulated."""
-        task = Task(BACKWARD, inputs, targets, grad_output, request_id, tag, digest=digest, check_only=check_only)
+        the input gradient only, nothing accumulated. `forward_key`: the forward of this microbatch,
+        whose kept activations spare the recompute if this peer ran it."""
+        task = Task(
+            BACKWARD, inputs, targets, grad_output, request_id, tag, digest=digest, check_only=check_only,
+            forward_key=forward_key,
+        )  # fmt: skip
         return self.submit(task)
 
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
@@ -227,30 +241,55 @@ class StageExecutor(StageUpdates):
         own = self.acc.pending(self.step) if ahead else None
         return self.lookahead.parameters_for(own, self.step, gradient_samples) if ahead else contextlib.nullcontext()
 
+    def _keeps_activations(self, step: int) -> bool:
+        """Whether work for update `step` runs at the current parameters, the only ones a kept graph
+        can hold (a prediction's parameters are swapped in for one batch, and the cache is cleared
+        whenever the parameters change)."""
+        return self.activations.enabled and not self.is_last and not (self.predict_params and step > self.step)
+
+    def _forward_kept(self, task: Task) -> torch.Tensor:
+        """One training forward with its graph, kept under the task's key for its backward."""
+        x = task.inputs.to(self.device, non_blocking=True)
+        if self.inputs_are_float:
+            x = x.detach().requires_grad_(True)
+        hooks, saved = saved_bytes(self.params)
+        with torch.enable_grad(), hooks:
+            out = self._call_module(x, None)
+        kept_bytes = saved[0] + out.numel() * out.element_size() + x.numel() * x.element_size()
+        self.activations.put(task.request_id, x, out, kept_bytes)
+        return out.detach()
+
     def _run_forward(self, tasks: list[Task], train: bool) -> None:
         start = time.perf_counter()
-        x = self._cat([t.inputs for t in tasks])
-        targets = self._cat([t.targets for t in tasks]) if self.is_last else None
         self.module.train(train)
         step = max(tasks[0].tag, self.acc.accumulating_step) if train else 0
-        with torch.no_grad(), self._parameters_for(step):
-            out = self._call_module(x, targets)
+        if train and self._keeps_activations(step) and any(t.request_id for t in tasks):
+            # one graph per microbatch: its backward comes alone
+            parts = [self._forward_kept(t) for t in tasks]
+            out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        else:
+            x = self._cat([t.inputs for t in tasks])
+            targets = self._cat([t.targets for t in tasks]) if self.is_last else None
+            with torch.no_grad(), self._parameters_for(step):
+                out = self._call_module(x, targets)
         if not all_finite(out):
             raise NonFiniteResult(f"stage {self.built.stage} produced NaN or infinity in its forward pass")
         out = out.detach().cpu()
         elapsed = time.perf_counter() - start
         self.counters.compute_seconds += elapsed
+        total = sum(t.size for t in tasks)
         offset = 0
         for task in tasks:
             part = out[offset : offset + task.size]
             offset += task.size
-            share = elapsed * task.size / max(1, x.shape[0])
+            share = elapsed * task.size / max(1, total)
             task.future.set_result(
                 ForwardResult(None, part, share) if self.is_last else ForwardResult(part, None, share)
             )
 
     def _gradients(self, tasks: list[Task], target_step: int, duplicate: bool):
-        """(parameter gradients, input gradient, per-sample losses, batch size) of one batch."""
+        """(parameter gradients, input gradient, per-sample losses, batch size) of one batch,
+        recomputing its forward from the inputs the requests carry."""
         x = self._cat([t.inputs for t in tasks])
         targets = self._cat([t.targets for t in tasks]) if self.is_last else None
         grad_out = None if self.is_last else self._cat([t.grad_output for t in tasks])
@@ -269,11 +308,45 @@ class StageExecutor(StageUpdates):
             grads = torch.autograd.grad(objective, wrt, grad_outputs=grad_seed, allow_unused=True) if wrt else []
         param_grads = [] if duplicate else list(grads[: len(self.params)])
         grad_input = grads[-1] if self.inputs_are_float else None
+        self._check_gradients(param_grads, grad_input)
+        return param_grads, grad_input, losses, x.shape[0]
+
+    def _gradients_kept(self, task: Task, kept: Kept):
+        """The same from a kept forward: the backward pass only."""
+        grad_out = task.grad_output.to(self.device, non_blocking=True)
+        wrt = self.params + ([kept.inputs] if self.inputs_are_float else [])
+        with torch.enable_grad():
+            grads = torch.autograd.grad(kept.output, wrt, grad_outputs=grad_out, allow_unused=True)
+        param_grads = list(grads[: len(self.params)])
+        grad_input = grads[-1] if self.inputs_are_float else None
+        self._check_gradients(param_grads, grad_input)
+        return param_grads, grad_input, None, task.size
+
+    def _check_gradients(self, param_grads: list[torch.Tensor | None], grad_input: torch.Tensor | None) -> None:
         if not all(g is None or all_finite(g) for g in param_grads):
             raise NonFiniteResult(f"stage {self.built.stage} computed a NaN or infinite gradient; not accumulated")
         if grad_input is not None and not all_finite(grad_input):
             raise NonFiniteResult(f"stage {self.built.stage} computed a NaN or infinite input gradient")
-        return param_grads, grad_input, losses, x.shape[0]
+
+    def _backward_groups(
+        self, tasks: list[Task], target_step: int, duplicate: bool
+    ) -> list[tuple[list[Task], Kept | None]]:
+        """The batch split into microbatches whose kept forward this peer holds (each alone) and the
+        rest (recomputed together)."""
+        if duplicate:
+            return [(tasks, None)]
+        if not self._keeps_activations(target_step):  # computed at predicted parameters: nothing kept
+            self.activations.counters.activation_misses += sum(1 for t in tasks if t.forward_key)
+            return [(tasks, None)]
+        groups: list[tuple[list[Task], Kept | None]] = []
+        recompute: list[Task] = []
+        for task in tasks:
+            kept = self.activations.take(task.forward_key, task.inputs) if task.forward_key else None
+            if kept is None:
+                recompute.append(task)
+            else:
+                groups.append(([task], kept))
+        return groups + ([(recompute, None)] if recompute else [])
 
     def _run_backward(self, tasks: list[Task]) -> None:
         start = time.perf_counter()
@@ -283,27 +356,29 @@ class StageExecutor(StageUpdates):
         # a duplicate still returns its input gradient (the trainer's backward goes on to the earlier
         # stages); a new contribution must be for an update this peer has not frozen or applied
         target_step = max(tasks[0].tag, self.acc.accumulating_step) if duplicate else self.acc.target_step(tasks[0].tag)
-        param_grads, grad_input, losses, n = self._gradients(tasks, target_step, duplicate)
-        if not duplicate:
-            held = {t.request_id or f"anonymous-{id(t)}": Held(t.size, t.digest) for t in tasks}
-            self.acc.add(target_step, param_grads, held)
-        grad_input = None if grad_input is None else grad_input.detach().cpu()
-        losses = None if losses is None else losses.cpu()
+        answers: list[tuple[Task, torch.Tensor | None, torch.Tensor | None]] = []
+        for group, kept in self._backward_groups(tasks, target_step, duplicate):
+            if kept is None:
+                param_grads, grad_input, losses, _ = self._gradients(group, target_step, duplicate)
+            else:
+                param_grads, grad_input, losses, _ = self._gradients_kept(group[0], kept)
+            if not duplicate:
+                held = {t.request_id or f"anonymous-{id(t)}": Held(t.size, t.digest) for t in group}
+                self.acc.add(target_step, param_grads, held)
+            grad_input = None if grad_input is None else grad_input.detach().cpu()
+            losses = None if losses is None else losses.cpu()
+            offset = 0
+            for task in group:
+                sl = slice(offset, offset + task.size)
+                offset += task.size
+                answers.append(
+                    (task, None if grad_input is None else grad_input[sl], None if losses is None else losses[sl])
+                )
+        n = sum(t.size for t in tasks)
         elapsed = time.perf_counter() - start
         self._record(n, elapsed)
-        offset = 0
-        for task in tasks:
-            sl = slice(offset, offset + task.size)
-            offset += task.size
+        for task, grad_input, losses in answers:
             share = elapsed * task.size / max(1, n)
             task.future.set_result(
-                BackwardResult(
-                    None if grad_input is None else grad_input[sl],
-                    None if losses is None else losses[sl],
-                    target_step,
-                    duplicate,
-                    share,
-                    self.acc.epoch,
-                    holder,
-                )
+                BackwardResult(grad_input, losses, target_step, duplicate, share, self.acc.epoch, holder)
             )

@@ -23,10 +23,12 @@ class Task:
     inputs: torch.Tensor | None = None
     targets: torch.Tensor | None = None
     grad_output: torch.Tensor | None = None
-    request_id: str = ""  # backward: the contribution (part) id; a second copy adds nothing
+    request_id: str = ""  # backward: the contribution (part) id; a second copy adds nothing;
+    # a training forward: the key its kept activations go under (swarm.peer.executor.activations)
     tag: int = 0  # forward and backward: the step the trainer meant this microbatch for
     digest: int = 0  # backward: the contribution's sample digest, for the ledger
     check_only: bool = False  # backward: a spot check (the input gradient only, nothing accumulated)
+    forward_key: str = ""  # backward: the forward whose kept activations it may use
     fn: Callable[[], Any] | None = None
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     enqueued: float = field(default_factory=time.perf_counter)

@@ -98,6 +98,7 @@ class StageUpdates:
         """After the parameters changed to those of `self.step` (an update, or a loaded state)."""
         self.acc.on_step_changed(self.step, drop_stale)
         self.lookahead.reset()
+        self.activations.clear()  # kept forwards hold graphs of the old parameters
         self.fingerprint = self.compute_fingerprint()
 
     def apply_mean_gradient(

@@ -1,0 +1,58 @@
+"""How often a view polls a peer's Info and re-reads the DHT's stage records, so that the cost to
+whoever answers stays bounded as the swarm grows.
+
+Fixed periods make a peer answer (stage-mates + trainers) / INFO_PERIOD_S polls a second: 10 per
+poller, so a stage of 100 peers polled by 100 trainers costs each peer 2,000 answers a second. Here
+a peer tells its pollers, in every Info answer, the period that keeps it under INFO_BUDGET_PER_S
+answers a second (pollers / budget, never below the base period), and each poller follows it; the
+DHT period stretches likewise with the number of readers of each record. Polling cost per peer is
+then constant beyond budget x period pollers, at the price of views that are as many times staler.
+Pure functions: the peers, the views and the simulator (swarm.sim.overheads) share them.
+"""
+
+from __future__ import annotations
+
+import time
+
+INFO_BUDGET_PER_S = 100.0  # Info answers a second a peer asks its pollers to stay under (~2.5% of a core)
+DHT_READ_BUDGET_PER_S = 100.0  # reads of one stage record a second each of its replicas serves at most
+DHT_REPLICAS = 5  # replicas of a DHT record (hivemind's default num_replicas)
+DHT_BUDGET_BYTES_PER_S = 50e6 / 8  # bytes a second each replica of a stage record serves at most (50 Mbit/s)
+DHT_ENTRY_BYTES = 900.0  # one peer's signed entry in its stage record (owner key and signature included)
+POLLERS_WINDOW_S = 2.0  # a poller not heard from for this long no longer counts
+
+
+def info_period(pollers: int, base_s: float, budget_per_s: float = INFO_BUDGET_PER_S) -> float:
+    """The period each of `pollers` pollers should poll one peer at."""
+    return max(base_s, pollers / budget_per_s)
+
+
+def dht_period(
+    readers: int,
+    record_bytes: float,
+    base_s: float,
+    replicas: int = DHT_REPLICAS,
+    reads_per_s: float = DHT_READ_BUDGET_PER_S,
+    bytes_per_s: float = DHT_BUDGET_BYTES_PER_S,
+) -> float:
+    """The period each of `readers` processes should re-read every stage record (of `record_bytes`)
+    at, so that no replica serves more than its budget of reads or bytes."""
+    return max(base_s, readers / (replicas * reads_per_s), readers * record_bytes / (replicas * bytes_per_s))
+
+
+class PollerCount:
+    """The distinct processes polling this peer lately (one gRPC connection each: its address)."""
+
+    def __init__(self, window_s: float = POLLERS_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._last: dict[str, float] = {}
+        self._pruned = 0.0
+
+    def seen(self, who: str, now: float | None = None) -> int:
+        """Note a poll from `who`; returns how many distinct pollers polled within the window."""
+        now = time.monotonic() if now is None else now
+        self._last[who] = now
+        if now - self._pruned > self.window_s / 4:
+            self._pruned = now
+            self._last = {k: t for k, t in self._last.items() if now - t <= self.window_s}
+        return len(self._last)

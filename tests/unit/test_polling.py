@@ -1,0 +1,67 @@
+"""Polling that stays within each peer's budget: the periods peers ask for, how a peer counts its
+pollers, and a view that follows the period each peer asks for."""
+
+import asyncio
+
+import pytest
+
+from swarm.cluster.view import PeerStatus, SwarmView
+from swarm.core.settings import INFO_PERIOD_S, LIVENESS_WINDOW_S
+from swarm.core.states import PeerState
+from swarm.policy.polling import INFO_BUDGET_PER_S, PollerCount, dht_period, info_period
+from swarm.policy.wiring import PeerLoad
+from swarm.wire.protocol import pb
+
+
+def test_periods_stay_at_the_base_until_the_budget_binds():
+    assert info_period(5, INFO_PERIOD_S) == INFO_PERIOD_S
+    assert info_period(1000, INFO_PERIOD_S) == pytest.approx(1000 / INFO_BUDGET_PER_S)
+    # answers a second to one peer: linear in its pollers up to the budget, then flat
+    answers = [n / info_period(n, INFO_PERIOD_S) for n in (1, 10, 100, 1000, 10_000)]
+    assert answers[:2] == pytest.approx([10, 100]) and answers[2:] == pytest.approx([INFO_BUDGET_PER_S] * 3)
+    assert dht_period(10, 10 * 900, 2.0) == 2.0
+    big = dht_period(10_000, 625 * 900, 2.0)  # 10,000 peers on 16 stages: the bytes bind
+    assert big > 10_000 / (5 * 100) and 10_000 * 625 * 900 / big / 5 <= 50e6 / 8 * (1 + 1e-9)
+
+
+def test_poller_count_forgets_pollers_gone_quiet():
+    count = PollerCount(window_s=2.0)
+    assert count.seen("a", now=0.0) == 1 and count.seen("b", now=0.1) == 2 and count.seen("a", now=0.2) == 2
+    assert count.seen("c", now=3.0) == 1  # a and b were last heard over 2 s ago
+
+
+class _Client:
+    def __init__(self, answers: list):
+        self.answers, self.calls = answers, 0
+
+    async def info(self, timeout: float):
+        self.calls += 1
+        return self.answers[0]
+
+
+class _Clients:
+    def __init__(self, client):
+        self.client = client
+
+    def get(self, address: str):
+        return self.client
+
+
+def test_view_polls_a_peer_at_the_period_it_asks_for():
+    async def go():
+        client = _Client([pb.InfoResponse(peer_id="p1", stage=0, state="online", poll_period_ms=2000)])
+        view = SwarmView(dht=None, num_stages=1, clients=_Clients(client))
+        status = PeerStatus(PeerLoad("p1", 0, "addr"), record_state=PeerState.ONLINE)
+        view.peers["p1"] = status
+        await view.poll_info(due_only=True)
+        assert client.calls == 1 and status.poll_period_s == pytest.approx(2.0)
+        for _ in range(5):  # the loop's next ticks: not due again for 2 s
+            await view.poll_info(due_only=True)
+        assert client.calls == 1
+        await view.poll_info()  # an explicit refresh (a peer catching up) polls at once
+        assert client.calls == 2
+        # polled every 2 s, it stays live for 3 periods (6 s), beyond the 4 s window
+        now = status.last_info_ok + LIVENESS_WINDOW_S + 1.0
+        assert view.is_live(status, now) and not view.is_live(status, status.last_info_ok + 6.5)
+
+    asyncio.run(go())
