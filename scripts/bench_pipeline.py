@@ -494,10 +494,30 @@ def run_swarm(
     counters = [p.counters for p in swarm.peers if p.counters]
     hits = sum(c.get("activation_hits", 0) for c in counters)
     misses = sum(c.get("activation_misses", 0) for c in counters)
+    timeline = update_timeline(counters)
     for r in results:
         r.extra["activation_hits"], r.extra["activation_misses"] = hits, misses
         r.extra["activation_hit_rate"] = round(hits / (hits + misses), 4) if hits + misses else None
+        r.extra["update_timeline"] = timeline
     return results
+
+
+def update_timeline(counters: list[dict]) -> dict:
+    """Where the stages' step time went (swarm.peer.stepping.UpdateTimeline), over every peer: ms per
+    update of freezing, agreeing, the all-reduce and applying, the mean interval between updates, and
+    the share of it the update took (the rest: compute and waiting for samples)."""
+    parts = ("freeze_s", "agree_s", "allreduce_s", "apply_s")
+    lines = [c.get("update_timeline") or {} for c in counters]
+    updates = sum(t.get("updates", 0) for t in lines)
+    intervals = sum(t.get("intervals", 0) for t in lines)
+    if not updates or not intervals:
+        return {}
+    out = {p.removesuffix("_s") + "_ms": round(1000 * sum(t.get(p, 0.0) for t in lines) / updates, 2) for p in parts}
+    out["interval_ms"] = round(1000 * sum(t.get("interval_s", 0.0) for t in lines) / intervals, 2)
+    out["update_share"] = round(sum(out[p.removesuffix("_s") + "_ms"] for p in parts) / out["interval_ms"], 4)
+    out["averaging_share"] = round((out["agree_ms"] + out["allreduce_ms"]) / out["interval_ms"], 4)
+    out["failed_round_s"] = round(sum(t.get("failed_round_s", 0.0) for t in lines), 3)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -622,6 +642,9 @@ def run_all(cfg: BenchConfig, skip_torch: bool, skip_swarm: bool, log_root: Path
         for r in ones:
             figures[f"swarm_{r.extra['sync']}_samples_per_s"] = r.samples_per_s
         figures["swarm_2x_samples_per_s"] = two.samples_per_s
+        figures["update_timeline"] = {
+            f"{r.extra['sync']}_{r.extra['peers_per_stage']}x": r.extra["update_timeline"] for r in swarm_rows
+        }
         figures["activation_hit_rate"] = {
             f"{r.extra['sync']}_{r.extra['peers_per_stage']}x": r.extra["activation_hit_rate"] for r in swarm_rows
         }
@@ -669,6 +692,12 @@ def print_table(cfg: BenchConfig, rows: list[Result], figures: dict, wall_s: flo
         note = r.note
         if "summary_samples_per_s" in r.extra:
             note = (note + "; " if note else "") + f"trainer summary {r.extra['summary_samples_per_s']:.1f} samples/s"
+        tl = r.extra.get("update_timeline") or {}
+        if tl:
+            note = (note + "; " if note else "") + (
+                f"update {tl['update_share']:.0%} of a step (all-reduce {tl['allreduce_ms']:.0f} ms, agree "
+                f"{tl['agree_ms']:.0f} ms of {tl['interval_ms']:.0f} ms)"
+            )
         if r.extra.get("activation_hit_rate") is not None:
             note = (note + "; " if note else "") + f"activation hits {r.extra['activation_hit_rate']:.0%}"
         cpu = r.extra.get("cpu_s_per_step", {})

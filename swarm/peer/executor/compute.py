@@ -377,6 +377,10 @@ class StageExecutor(StageUpdates):
         n = sum(t.size for t in tasks)
         elapsed = time.perf_counter() - start
         self._record(n, elapsed)
+        if check_only:
+            self.counters.check_samples += n
+        elif duplicate:
+            self.counters.duplicate_samples += n
         for task, grad_input, losses in answers:
             share = elapsed * task.size / max(1, n)
             task.future.set_result(

@@ -32,7 +32,9 @@ class HeldSnapshot:
 
 @dataclass
 class ExecutorCounters:
-    samples_processed: int = 0  # samples back-propagated
+    samples_processed: int = 0  # samples back-propagated (all of them: the two below included)
+    duplicate_samples: int = 0  # ... of contributions already held here or by a mate (nothing added)
+    check_samples: int = 0  # ... of trainers' spot checks (the input gradient only)
     samples_discarded: int = 0  # unapplied gradients dropped (the trainers replay them)
     contributions_included: int = 0  # held contributions a downloaded update already contained
     averaging_rounds: int = 0
