@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Time `swarm sim --peers 10000 --stages 16` (one simulated hour, our wiring with rebalancing, 10% of
-the peers preempted per hour) as the command line runs it, once with the Info polling the code does
-today (fixed) and once with the per-peer budget (the modelled mitigation), and print one JSON line:
+the peers preempted per hour) as the command line runs it, once with fixed Info polling periods (the
+code before 2026-12-05) and once with the per-peer budget (the code now: swarm.policy.polling), and
+print one JSON line:
 wall and CPU seconds of each command, its headline figures, and how the polling cost grows with
 trainers x peers (computed from the same model, swarm.sim.overheads).
 

@@ -76,6 +76,7 @@ class Agreement:
     duplicates: dict[str, list[str]] = field(default_factory=dict)  # part id -> peers holding it
     not_frozen: list[str] = field(default_factory=list)  # participants still taking requests for it
     outliers: dict[str, float] = field(default_factory=dict)  # left out by the norm rule: id -> norm / median
+    samples_by_member: dict[str, int] = field(default_factory=dict)  # what each member's frozen sum holds
 
     def ready(self, global_batch: int) -> bool:
         return not self.duplicates and not self.not_frozen and not self.outliers and self.samples == global_batch
@@ -125,6 +126,7 @@ def agree(step: int, lists: dict[str, HeldSnapshot]) -> Agreement:
         duplicates={c: sorted(h) for c, h in holders.items() if len(h) > 1},
         not_frozen=sorted(p for p, s in lists.items() if not s.frozen),
         outliers=outliers,
+        samples_by_member={p: sum(h.samples for h in s.held.values()) for p, s in lists.items()},
     )
 
 

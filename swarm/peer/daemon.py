@@ -132,6 +132,7 @@ class Peer:
         await m.publish_events()  # before the first record that says online
         self.records.start()
         self.view.info_listeners.append(self._note_mates_step)
+        self._wake_steps_on_progress()
         self.view.start(poll_stages={m.stage})
         self._tasks = [
             asyncio.create_task(self._step_loop()),
@@ -179,11 +180,23 @@ class Peer:
             logger.warning("%s", line)
             self.events.add("unreachable", detail=line[:200])
 
+    def _wake_steps_on_progress(self) -> None:
+        """The step decision runs when something it reads may have changed: a backward accumulated
+        here, a round of the mates' Info answers; else every step_poll_s (stall reports, faults)."""
+        self.step_wake = asyncio.Event()
+        self.serving.on_accumulated = self.step_wake.set
+        self.view.info_listeners.append(self.step_wake.set)
+
     async def _step_loop(self) -> None:
         """Apply the stage's pending update when it is due (swarm.peer.stepping decides)."""
         m = self.membership
         while not self.stop_event.is_set():
-            await asyncio.sleep(self.cfg.step_poll_s)
+            try:
+                async with asyncio.timeout(self.cfg.step_poll_s):
+                    await self.step_wake.wait()
+            except TimeoutError:
+                pass
+            self.step_wake.clear()
             if self.faults is not None and self.faults.due(m.step):
                 await self._inject_fault()
             executor = m.executor

@@ -36,20 +36,31 @@ from swarm.wire.protocol import pb
 logger = logging.getLogger(__name__)
 
 
+FROZEN_WAIT_S = 3.0
+FROZEN_POLL_S = 0.005
+
+
 class PartialUnavailable(WrongTarget):
     """The requested update is not the one pending on this peer."""
 
 
+_VIEWS = {"bfloat16": (torch.bfloat16, torch.int16, 2), "float32": (torch.float32, torch.float32, 4)}
+
+
 def encode_partial(partial: Accumulated) -> tuple[dict, bytes]:
-    """(header fields, raw little-endian bfloat16 bytes) of a flat sum from `partial_gradient`."""
+    """(header fields, raw little-endian bytes) of a flat sum from `partial_gradient` (bfloat16) or
+    `frozen_gradient` (float32)."""
     if partial.samples == 0 or not partial.grads:
         return {"samples": 0, "dtype": "bfloat16"}, b""
     (flat,) = partial.grads
-    return {"samples": partial.samples, "dtype": "bfloat16"}, flat.view(torch.int16).numpy().tobytes()
+    dtype = "float32" if flat.dtype == torch.float32 else "bfloat16"
+    return {"samples": partial.samples, "dtype": dtype}, flat.view(_VIEWS[dtype][1]).numpy().tobytes()
 
 
-def decode_partial(header: dict, data: bytes | bytearray, params: list[torch.Tensor], step: int) -> Accumulated:
-    """Check and unpack a mate's sum: the step asked for, a sample count, one finite bfloat16 value
+def decode_partial(
+    header: dict, data: bytes | bytearray, params: list[torch.Tensor], step: int, dtype: str = "bfloat16"
+) -> Accumulated:
+    """Check and unpack a mate's sum: the step asked for, a sample count, one finite value of `dtype`
     per parameter (views of `data`, shaped as `params`). Raises StateError on anything else."""
     if header.get("step") != step:
         raise StateError(f"partial gradient is for step {header.get('step')!r}, asked for {step}")
@@ -58,12 +69,13 @@ def decode_partial(header: dict, data: bytes | bytearray, params: list[torch.Ten
         raise StateError(f"partial gradient sample count {samples!r} is not a non-negative int")
     if samples == 0:
         return Accumulated(None, 0, step)
-    if header.get("dtype") != "bfloat16":
-        raise StateError(f"partial gradient dtype {header.get('dtype')!r}, want bfloat16")
+    if header.get("dtype") != dtype:
+        raise StateError(f"partial gradient dtype {header.get('dtype')!r}, want {dtype}")
+    torch_dtype, raw_dtype, size = _VIEWS[dtype]
     numel = sum(p.numel() for p in params)
-    if len(data) != 2 * numel:
-        raise StateError(f"partial gradient holds {len(data)} bytes, the stage needs {2 * numel}")
-    flat = torch.frombuffer(data, dtype=torch.int16).view(torch.bfloat16)
+    if len(data) != size * numel:
+        raise StateError(f"partial gradient holds {len(data)} bytes, the stage needs {size * numel}")
+    flat = torch.frombuffer(data, dtype=raw_dtype).view(torch_dtype)
     if not all_finite(flat):
         raise StateError("partial gradient holds NaN or infinite values")
     return Accumulated(
@@ -71,9 +83,29 @@ def decode_partial(header: dict, data: bytes | bytearray, params: list[torch.Ten
     )
 
 
-async def partial_chunks(executor: StageExecutor, step: int) -> AsyncIterator[bytes]:
-    """What GetPartialGradient streams: this peer's own sum for `step`, taken between batches. No
-    checksum: it only ever moves a prediction, and TCP already checks what it carries."""
+async def partial_chunks(executor: StageExecutor, step: int, frozen: bool = False) -> AsyncIterator[bytes]:
+    """What GetPartialGradient streams: this peer's own sum for `step`, taken between batches; with
+    `frozen`, its frozen float32 sum for the stage's direct averaging (with its accumulator epoch).
+    No checksum (TCP checks what it carries; a sum corrupted anyway would make the mates' parameters
+    differ, which their fingerprints catch: swarm.peer.stepping, "diverged")."""
+    if frozen:
+        # a mate that agreed a moment before this peer reached its own averaging waits for it, up to
+        # FROZEN_WAIT_S, while this peer holds that update frozen (as in an all-reduce, every member
+        # takes part: a sum is handed out only while its owner averages it too, or after)
+        deadline = time.monotonic() + FROZEN_WAIT_S
+        while True:
+            found = await asyncio.wrap_future(executor.call(lambda: executor.frozen_gradient(step)))
+            held = executor.acc.frozen is not None and executor.acc.frozen.step == step
+            if found is not None or not held or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(FROZEN_POLL_S)
+        if found is None:
+            raise PartialUnavailable(f"update {step} is not frozen here (this peer is at step {executor.step})")
+        partial, epoch = found
+        fields, data = encode_partial(partial)
+        async for chunk in blob_chunks(data, checksum=False, step=step, epoch=epoch, **fields):
+            yield chunk
+        return
     partial = await asyncio.wrap_future(executor.call(lambda: executor.partial_gradient(step)))
     if partial is None:
         raise PartialUnavailable(f"step {step} is not pending here (this peer is at step {executor.step})")

@@ -127,6 +127,8 @@ class StageService:
                     forward_key=fkey,
                 )  # fmt: skip
                 result = await asyncio.wrap_future(future)
+                if self.serving.on_accumulated is not None and not result.duplicate:
+                    self.serving.on_accumulated()
                 out = result.grad_input
                 acc["accumulated_step"] = max(acc.get("accumulated_step", 0), result.accumulated_step)
                 acc["duplicate"] = acc.get("duplicate", True) and result.duplicate
@@ -294,7 +296,7 @@ class StageService:
             await abort(context, e)
 
     async def get_partial_gradient(self, raw: bytes, context) -> AsyncIterator[bytes]:
-        chunks = lambda ex, req: partial_chunks(ex, req.step)  # noqa: E731
+        chunks = lambda ex, req: partial_chunks(ex, req.step, req.frozen)  # noqa: E731
         async for chunk in self._blob(pb.PartialRequest, raw, context, chunks):
             yield chunk
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from swarm.core.errors import NotServing, WrongTarget
@@ -55,6 +56,8 @@ class ServingState:
         # the highest step this peer's live stage-mates report (its Info polls): a request too far
         # ahead of this peer but not of them finds this peer behind its stage, not the request wrong
         self.mates_step = 0
+        # wakes the step decision: a backward accumulated here (the stage may now hold its batch)
+        self.on_accumulated: Callable[[], None] | None = None
 
     def check_target(self, run_id: str, stage: int) -> tuple[StageExecutor, StageSchema]:
         """The executor and schema to serve a request for (run_id, stage) with, or a typed error:

@@ -32,6 +32,7 @@ from swarm.cluster.view import PeerStatus
 from swarm.core.log import set_context
 from swarm.core.states import PeerState, UpdateReason
 from swarm.peer.agreement import Agreement, agree, fetch_contributions
+from swarm.peer.direct import average_direct
 from swarm.peer.executor import Accumulated, StageExecutor
 from swarm.training.averaging import AveragingFailed, StageAverager
 from swarm.wire.pool import ClientPool
@@ -122,14 +123,19 @@ class StepCoordinator:
         global_batch: int,
         after_update: Callable[[int], None] | None = None,
         stall_report_s: float = 30.0,
+        direct_max: int = 0,
+        direct_timeout_s: float = 30.0,
     ) -> None:
         self.executor, self.averager, self.mates, self.clients = executor, averager, mates, clients
         self.run_id, self.global_batch, self.after_update = run_id, global_batch, after_update
         self.stall_report_s = stall_report_s  # a stage short of its global batch this long says so
+        # stages of at most this many members average directly over gRPC (swarm.peer.direct)
+        self.direct_max, self.direct_timeout_s = direct_max, direct_timeout_s
         self.peer_id = mates.peer_id
         self.resyncs = 0
         self.slow_accusation_reads = 0
         self._accusations_read: asyncio.Future | None = None
+        self._accusations_prefetched = False  # a read started since the last update, for the next one
         self.last_averaging_s = 0.0
         self.failed_rounds = 0
         self.timeline = UpdateTimeline()
@@ -225,6 +231,7 @@ class StepCoordinator:
             ex.call(lambda: ex.apply_mean_gradient(averaged, frozen.step, members, agreement.union))
         )
         self.timeline.record(start, t_frozen, t_agreed, t_averaged, time.monotonic())
+        self._prefetch_accusations()
         set_context(step=ex.step)
         logger.info(
             "applied update %d: %d samples here, %d in all, averaged over %d peer(s) in %.2f s (grad norm %.3f)",
@@ -238,8 +245,9 @@ class StepCoordinator:
         """Read the accusations, waiting at most ACCUSATIONS_WAIT_S: a read that takes longer goes on and
         applies what it finds when it returns (and the periodic refresh reads them too), so a peer accused
         while the DHT is slow is left out from the next update instead of this one."""
-        if self._accusations_read is None or self._accusations_read.done():
+        if not self._accusations_prefetched and (self._accusations_read is None or self._accusations_read.done()):
             self._accusations_read = asyncio.ensure_future(self._read_accusations_now())
+        self._accusations_prefetched = False
         try:
             await asyncio.wait_for(asyncio.shield(self._accusations_read), ACCUSATIONS_WAIT_S)
         except TimeoutError:
@@ -248,6 +256,14 @@ class StepCoordinator:
                 "reading the accusations takes over %.1f s (a dead DHT node in the routes?): update %d goes on "
                 "with those read before", ACCUSATIONS_WAIT_S, self.executor.step,
             )  # fmt: skip
+
+    def _prefetch_accusations(self) -> None:
+        """Start reading the accusations for the next update now, while its samples come in: the read
+        (a DHT get, 50-100 ms) was on every update's critical path. An accusation published after
+        this read counts from the update after the next one."""
+        if self._accusations_read is None or self._accusations_read.done():
+            self._accusations_read = asyncio.ensure_future(self._read_accusations_now())
+            self._accusations_prefetched = True
 
     async def _read_accusations_now(self) -> None:
         try:
@@ -336,19 +352,30 @@ class StepCoordinator:
         """The mean gradient over the agreed members, or None if the all-reduce failed (the caller
         unfreezes and the stage tries again: never applied with a part of the stage's gradients)."""
         members = [p for p, _ in agreement.members]
-        if len(members) == 1 or self.averager is None:
+        if len(members) == 1 or (self.averager is None and len(members) > self.direct_max):
             return [g / max(1, agreement.samples) for g in frozen.grads]
         loop = asyncio.get_running_loop()
         mates = [p for p in members if p != self.peer_id]
         try:
-            avg = await loop.run_in_executor(
-                None, self.averager.average, frozen.grads, frozen.samples, frozen.step, mates
-            )
+            if len(members) <= self.direct_max:
+                addresses = {m.peer_id: m.load.address for m in self.mates.live_mates()}
+                self.executor.averaging_step = frozen.step  # its mates may fetch its frozen sum now
+                try:
+                    avg = await average_direct(
+                        frozen, self.peer_id, agreement, addresses, agreement.samples_by_member, self.clients,
+                        self.run_id, self.mates.stage, self.executor.params, self.direct_timeout_s,
+                    )  # fmt: skip
+                finally:
+                    self.executor.averaging_step = None
+            else:
+                avg = await loop.run_in_executor(
+                    None, self.averager.average, frozen.grads, frozen.samples, frozen.step, mates
+                )
         except AveragingFailed as e:
             self.failed_rounds += 1
             logger.warning("%s; the stage tries again", e)
             self.mates.event("averaging_failed", step=frozen.step, members=len(members))
-            if not self.averager.alive:  # its process died: a new one, or every round fails from now on
+            if self.averager is not None and not self.averager.alive:  # its process died: a new one
                 self.averager = self.mates.restart_averager()
             await self.mates.refresh_view()  # the members may have disagreed on who is in the stage
             return None

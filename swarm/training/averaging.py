@@ -160,6 +160,12 @@ class AveragingConfig:
         "a member silent for this long is left out of an all-reduce round (which then is retried)",
         flag="--averaging-chunk-timeout",
     )
+    direct_max_members: int = setting(
+        4,
+        "a stage of at most this many peers averages by fetching each other's frozen sums over gRPC "
+        "instead of hivemind's all-reduce (0: always the all-reduce)",
+        flag="--averaging-direct-max",
+    )
 
 
 @dataclass

@@ -22,7 +22,11 @@ from tests.integration.helpers import (
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_joining_peer_downloads_state_and_matches_its_mates(make_swarm):
-    swarm = make_swarm(stages=2, stage_layout=[2, 1], steps=100_000, run_args=run_args(codec="none"))
+    # hivemind's all-reduce (a stage this small averages directly by default: swarm.peer.direct)
+    swarm = make_swarm(
+        stages=2, stage_layout=[2, 1], steps=100_000, run_args=run_args(codec="none"),
+        peer_args=["--averaging-direct-max", "0"],
+    )  # fmt: skip
     swarm.start()
     progress = TrainingProgress()
     swarm.start_trainers(on_line=progress)

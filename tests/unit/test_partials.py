@@ -111,3 +111,31 @@ def test_bad_partials_are_refused_with_clear_errors():
         assert decode_partial(*_wire(Accumulated(None, 0, 0)), params, 0).grads is None
     finally:
         ex.stop()
+
+
+def test_frozen_sum_travels_exactly_and_stays_fetchable_after_the_update():
+    """Direct averaging (swarm.peer.direct) moves each mate's frozen sum in float32: bit for bit, and
+    still there for a slower mate after this peer applied the update."""
+    (ex,) = _executors(1)
+    try:
+        for i, (h, y) in enumerate(_batches(2)):
+            ex.backward(h, None, y, f"c{i}").result(timeout=30)
+        assert ex.call(lambda: ex.frozen_gradient(0)).result(timeout=30) is None  # not frozen yet
+        frozen = ex.call(ex.take_accumulated).result(timeout=30)
+        assert ex.call(lambda: ex.frozen_gradient(0)).result(timeout=30) is None  # frozen, but not averaging
+        ex.averaging_step = 0
+        found, epoch = ex.call(lambda: ex.frozen_gradient(0)).result(timeout=30)
+        header, data = _wire(found)
+        assert header["dtype"] == "float32" and header["samples"] == 4 and epoch == ex.acc.epoch
+        got = decode_partial(header, data, ex.params, 0, dtype="float32")
+        for a, b in zip(got.grads, frozen.grads, strict=True):
+            assert torch.equal(a, b)
+        with pytest.raises(StateError):  # a float32 sum is not taken for a bfloat16 one
+            decode_partial(header, data, ex.params, 0)
+        mean = [g / 4 for g in frozen.grads]
+        ex.call(lambda: ex.apply_mean_gradient(mean, 0)).result(timeout=30)
+        again, _ = ex.call(lambda: ex.frozen_gradient(0)).result(timeout=30)
+        assert torch.equal(again.grads[0], found.grads[0])
+        assert ex.call(lambda: ex.frozen_gradient(1)).result(timeout=30) is None
+    finally:
+        ex.stop()

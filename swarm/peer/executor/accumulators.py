@@ -67,6 +67,8 @@ class Accumulators:
         self.epoch = 0
         self._open: dict[int, Accumulated] = {}
         self.frozen: Accumulated | None = None  # taken for the agreement and averaging, not yet applied
+        # the frozen sum of the last update done with: a slower mate may still fetch it (swarm.peer.direct)
+        self.recent_frozen: Accumulated | None = None
         self._applied: OrderedDict[str, int] = OrderedDict()  # contribution id -> step of its update
         # contributions a stage-mate holds (found when the stage agreed on an update): cid -> holder
         self._elsewhere: dict[str, Holder] = {}
@@ -181,7 +183,7 @@ class Accumulators:
         (a loaded state): open accumulators of updates the state already holds are dropped too."""
         self.accumulating_step = max(self.accumulating_step, step) if not drop_stale else step
         if self.frozen is not None and self.frozen.step < step:
-            self.frozen = None
+            self.recent_frozen, self.frozen = self.frozen, None
         if drop_stale:
             self._open = {s: a for s, a in self._open.items() if s >= step}
 

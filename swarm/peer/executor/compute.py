@@ -70,6 +70,7 @@ class StageExecutor(StageUpdates):
         self.predict_params = predict_params
         self.lookahead = LookAhead(self.optimizer, optim, self.params, prior_samples)
         self.activations = ActivationCache(activation_budget_bytes)  # forwards kept for their backward
+        self.averaging_step: int | None = None  # the update this peer's stepper is averaging now
         self.counters = ExecutorCounters()
         self.throughput_ema: float | None = None  # samples/s of forward+backward work, measured
         # every applied update and the contributions it holds: travels with the state, so that a

@@ -58,6 +58,22 @@ class StageUpdates:
         flat = torch.cat([g.detach().reshape(-1).to(torch.bfloat16) for g in acc.grads]).cpu()
         return Accumulated([flat], acc.samples, step)
 
+    def frozen_gradient(self, step: int) -> tuple[Accumulated, int] | None:
+        """(this peer's frozen sum for update `step` as one flat float32 tensor, the accumulator
+        epoch) for its mates' direct averaging (swarm.peer.direct): the frozen one while this peer
+        averages that update itself (`averaging_step`: as in an all-reduce, every member takes part,
+        so a peer frozen but busy elsewhere, e.g. catching up, is no member), or the one of the
+        update just applied (a slower mate may still be fetching it); None otherwise."""
+        acc = self.acc
+        taking_part = acc.frozen if self.averaging_step == step else None
+        frozen = next((f for f in (taking_part, acc.recent_frozen) if f is not None and f.step == step), None)
+        if frozen is None:
+            return None
+        if frozen.grads is None or frozen.samples == 0:
+            return Accumulated(None, 0, step), acc.epoch
+        flat = torch.cat([g.detach().reshape(-1).to(torch.float32) for g in frozen.grads]).cpu()
+        return Accumulated([flat], frozen.samples, step), acc.epoch
+
     def set_mate_partial(self, peer_id: str, partial: Accumulated) -> bool:
         """Keep a stage-mate's gradient sum for the pending update (the caller checked shapes and
         finiteness); a sum for another step than the pending one is ignored."""
