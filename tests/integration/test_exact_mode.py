@@ -85,14 +85,21 @@ def assert_equals_oracle(swarm, tokens: torch.Tensor, batches: dict[int, list[in
     floor = max(max_elem_error(expected[k], exact[k]) for k in exact)
     errors, elem_errors = [], []
     live = [p for p in swarm.peers if p.alive()]
+    by_stage: dict[int, list[dict]] = {}
     for peer in live:
         state = fetch_state(peer.ready["address"], swarm.run_id, peer.ready["stage"])
         assert state["step"] == STEPS
+        by_stage.setdefault(peer.ready["stage"], []).append(state["model"])
         for name, value in state["model"].items():
             ref = expected[name]
             rel = ((value - ref).norm() / ref.norm().clamp_min(1e-12)).item()
             errors.append((rel, peer.name, name))
             elem_errors.append((max_elem_error(value, exact[name]), peer.name, name))
+    # stage-mates average directly (swarm.peer.direct): the same additions in the same order, so
+    # they hold the same parameters bit for bit (hivemind's all-reduce left them a rounding apart)
+    for stage, models in by_stage.items():
+        for other in models[1:]:
+            assert all(torch.equal(other[k], models[0][k]) for k in models[0]), f"stage {stage}'s peers differ"
     errors.sort(reverse=True)
     elem_errors.sort(reverse=True)
     print("largest relative errors:", errors[:3])
