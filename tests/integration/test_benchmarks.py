@@ -43,6 +43,19 @@ def test_bench_wire_quick():
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_bench_polling_quick():
+    """A real peer asks its pollers for a period that keeps it within its Info budget: 50 pollers that
+    follow it get at most the budget's answers a second (fixed periods would ask for 500)."""
+    out = run_script("bench_polling.py")
+    rows = {(r["pollers"], r["mode"]): r for r in out["rows"]}
+    assert set(rows) == {(5, "fixed"), (5, "budget"), (50, "fixed"), (50, "budget")}
+    assert all(positive(r["answers_per_s"]) for r in rows.values())
+    # the cap is a property of the rule, not of the machine's speed: a slow machine only answers fewer
+    assert rows[(50, "budget")]["answers_per_s"] <= 1.25 * out["budget_per_s"], rows[(50, "budget")]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_bench_codec_quick():
     out = run_script("bench_codec.py")
     for key in ("int8_GBps", "fp16_GBps", "bf16_GBps", "none_GBps"):
