@@ -483,6 +483,10 @@ def run_swarm(
                         "loss_first": summary["loss_first"],
                         "loss_last": summary["loss_last"],
                         "retries": summary["retries"],
+                        # the trainer's time with nothing in flight, waiting for the swarm's next step
+                        "trainer_idle_share": round(
+                            summary.get("idle_s", 0.0) * summary["samples_per_s"] / max(1, summary["samples"]), 4
+                        ),
                         "cpu_s_per_step": cpu_per_step,
                         "processes": processes,
                     },
@@ -698,6 +702,8 @@ def print_table(cfg: BenchConfig, rows: list[Result], figures: dict, wall_s: flo
                 f"update {tl['update_share']:.0%} of a step (all-reduce {tl['allreduce_ms']:.0f} ms, agree "
                 f"{tl['agree_ms']:.0f} ms of {tl['interval_ms']:.0f} ms)"
             )
+        if "trainer_idle_share" in r.extra:
+            note = (note + "; " if note else "") + f"trainer idle {r.extra['trainer_idle_share']:.0%}"
         if r.extra.get("activation_hit_rate") is not None:
             note = (note + "; " if note else "") + f"activation hits {r.extra['activation_hit_rate']:.0%}"
         cpu = r.extra.get("cpu_s_per_step", {})

@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         run_args = ["--model", json.dumps(TINY_GPT), "--global-batch", "16", "--microbatch", "4"]
-        opts = LocalOptions(stages=1, peers_per_stage=1, trainers=0, log_dir=tmp, run_args=run_args)
+        opts = LocalOptions(stages=1, peers_per_stage=1, trainers=1, log_dir=tmp, run_args=run_args)  # none started
         with LocalSwarm(opts) as swarm:
             swarm.start()
             peer = swarm.peers[0]

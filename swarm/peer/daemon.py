@@ -185,7 +185,14 @@ class Peer:
         here, a round of the mates' Info answers; else every step_poll_s (stall reports, faults)."""
         self.step_wake = asyncio.Event()
         self.serving.on_accumulated = self.step_wake.set
-        self.view.info_listeners.append(self.step_wake.set)
+        self.view.info_listeners.append(self.step_wake.set)  # a round of Info polls sets it
+        self._mates_poll: asyncio.Task | None = None
+
+        def mate_froze() -> None:
+            if self._mates_poll is None or self._mates_poll.done():
+                self._mates_poll = asyncio.create_task(self.view.poll_info({self.membership.stage}))
+
+        self.serving.on_mate_froze = mate_froze
 
     async def _step_loop(self) -> None:
         """Apply the stage's pending update when it is due (swarm.peer.stepping decides)."""

@@ -305,6 +305,8 @@ class StageService:
             request = messages.parse(pb.ContributionsRequest, raw)
             executor, _ = self.serving.check_target(request.run_id, request.stage)
             held = await asyncio.wrap_future(executor.call(lambda: executor.contributions(int(request.step))))
+            if not held.frozen and held.applied_step <= request.step and self.serving.on_mate_froze is not None:
+                self.serving.on_mate_froze()
             return contributions_response(self.serving.peer_id, held).SerializeToString()
         except Exception as e:  # noqa: BLE001 - every error becomes a status
             await abort(context, e)

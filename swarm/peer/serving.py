@@ -58,6 +58,9 @@ class ServingState:
         self.mates_step = 0
         # wakes the step decision: a backward accumulated here (the stage may now hold its batch)
         self.on_accumulated: Callable[[], None] | None = None
+        # a mate asked what this peer holds for an update it has not frozen: it froze it, so the stage
+        # may hold its batch; re-read the mates' counts now rather than at the next Info round
+        self.on_mate_froze: Callable[[], None] | None = None
 
     def check_target(self, run_id: str, stage: int) -> tuple[StageExecutor, StageSchema]:
         """The executor and schema to serve a request for (run_id, stage) with, or a typed error:

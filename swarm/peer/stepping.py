@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 FINGERPRINT_TOLERANCE = 1e-9  # relative; rounding noise is orders of magnitude smaller, divergence larger
 AGREE_WAIT_S = 3.0  # how long a frozen peer waits for its mates to freeze the same update
-AGREE_POLL_S = 0.05
+AGREE_POLL_S = 0.02
 CONTRIBUTIONS_TIMEOUT_S = 5.0
 # how long an update waits for the accusations read it starts: a DHT with a dead node in its routes (the
 # coordinator or a peer just killed, a cut link) answers a get only after hivemind's 3 s RPC timeout,

@@ -300,6 +300,7 @@ class Trainer:
 
     async def _train(self, target: int) -> None:
         tasks: set[asyncio.Task] = set()
+        idle_since: float | None = None  # nothing in flight and the pacing holds the next microbatch back
         try:
             while True:
                 step = self.view.global_step()
@@ -309,12 +310,17 @@ class Trainer:
                 if self.in_flight < self.cfg.max_in_flight:
                     mb = self._next_microbatch(step)
                     if mb is not None:
+                        if idle_since is not None:
+                            self.stats.idle_s += time.monotonic() - idle_since
+                            idle_since = None
                         self.in_flight += 1
                         self.stats.microbatches_started += 1
                         task = asyncio.create_task(self._run_microbatch(mb))
                         tasks.add(task)
                         task.add_done_callback(tasks.discard)
                         continue
+                if self.in_flight == 0 and idle_since is None:
+                    idle_since = time.monotonic()
                 await self._wait_progress(PROGRESS_WAIT_S)
                 for task in [t for t in tasks if t.done() and not t.cancelled() and t.exception()]:
                     raise task.exception()

@@ -30,6 +30,9 @@ class Stats:
     retries: int = 0
     failed_calls: int = 0
     replays: int = 0
+    # seconds with nothing in flight, held back by the pacing: waiting for the swarm's next step
+    # (exact mode: every stage's update; async: beyond the staleness bound)
+    idle_s: float = 0.0
     failed_peers: set[str] = field(default_factory=set)
     failed_calls_by_code: collections.Counter[str] = field(default_factory=collections.Counter)
     failures_by_peer: collections.Counter[str] = field(default_factory=collections.Counter)
@@ -130,6 +133,7 @@ class Reporter:
             "retries": s.retries,
             "failed_calls": s.failed_calls,
             "replays": s.replays,
+            "idle_s": round(s.idle_s, 3),
             "microbatches_started": s.microbatches_started,
             "microbatches_completed": s.microbatches_completed,
             "microbatches_requeued": s.microbatches_requeued,
