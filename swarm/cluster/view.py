@@ -222,10 +222,11 @@ class SwarmView:
                     )  # fmt: skip
                     self.accused[accusation.accused] = accusation
 
-    async def _poll_one(self, status: PeerStatus) -> None:
+    async def _poll_one(self, status: PeerStatus, wait_for_step: int = 0, wait_s: float = 0.0) -> None:
         status.next_poll = time.monotonic() + self.info_period_s  # after a failure: try again at the base rate
         try:
-            info = await self.clients.get(status.load.address).info(timeout=self.info_timeout_s)
+            client = self.clients.get(status.load.address)
+            info = await client.info(timeout=self.info_timeout_s, wait_for_step=wait_for_step, wait_s=wait_s)
         except grpc.aio.AioRpcError:
             status.info_failures += 1
             return
@@ -285,6 +286,28 @@ class SwarmView:
                 listener()
             except Exception:  # noqa: BLE001 - a listener must not stop the view
                 logger.exception("info listener failed")
+
+    async def wait_for_step(self, step: int, wait_s: float) -> bool:
+        """Until the global step reaches `step`, at most about `wait_s`: the live, online peers still
+        below it answer an Info long poll the moment they apply the update (what a trainer held back by
+        the pacing waits for, learnt at once instead of at the next poll). False, at once, when no
+        known peer is below `step` (nothing to wait for here)."""
+        now = time.monotonic()
+        online = [s for s in self.peers.values() if s.record_state == PeerState.ONLINE and self.is_live(s, now)]
+        pending = {asyncio.ensure_future(self._poll_one(s, step, wait_s)) for s in online if s.step < step}
+        if not pending:
+            return False
+        try:
+            while pending:
+                _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                reached = self.global_step()
+                if reached is not None and reached >= step:
+                    break
+        finally:
+            for task in pending:
+                task.cancel()
+            self.changed.set()
+        return True
 
     async def _dht_loop(self) -> None:
         while True:

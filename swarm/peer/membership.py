@@ -231,6 +231,7 @@ class Membership:
             await self.sync_from_mates()  # the stage moved on while this peer was getting ready
 
     def _after_update(self, step: int) -> None:
+        self.serving.notify_step()
         self.records.refresh_now()
         if self.runtime is not None and self.runtime.checkpoints is not None:
             self.runtime.checkpoints.after_update(step)
@@ -383,6 +384,7 @@ class Membership:
             if dropped:
                 self.event("dropped_for_replay", samples=dropped, step=rt.executor.step)
             set_context(step=rt.executor.step)
+            self.serving.notify_step()
             logger.info(
                 "downloaded stage %d state at step %d from %s in %.2f s",
                 rt.stage, state["step"], mate.peer_id[-6:], time.monotonic() - started,

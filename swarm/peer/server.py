@@ -252,6 +252,12 @@ class StageService:
     # ---- gRPC entry points ----
 
     async def info(self, raw: bytes, context) -> bytes:
+        try:
+            request = messages.parse(pb.InfoRequest, raw)
+        except Exception as e:  # noqa: BLE001 - every error becomes a status
+            await abort(context, e)
+        if request.wait_for_step > 0 and request.wait_ms > 0:
+            await self.serving.wait_for_step(int(request.wait_for_step), request.wait_ms / 1000)
         answer = self.serving.info()
         answer.streams_peak = self.admission.streams_peak
         pollers = self.pollers.seen(context.peer() or "")

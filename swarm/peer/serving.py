@@ -4,6 +4,7 @@ parts when it moves; `info()` is the Info answer."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Callable
@@ -15,6 +16,8 @@ from swarm.peer.executor import StageExecutor
 from swarm.training.models import StageSchema
 from swarm.wire.options import MiB
 from swarm.wire.protocol import pb
+
+MAX_INFO_WAIT_S = 5.0  # the longest an Info long poll is held
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,25 @@ class ServingState:
         # a mate asked what this peer holds for an update it has not frozen: it froze it, so the stage
         # may hold its batch; re-read the mates' counts now rather than at the next Info round
         self.on_mate_froze: Callable[[], None] | None = None
+        self._stepped: asyncio.Event | None = None  # set (and replaced) whenever the step changes
+
+    def notify_step(self) -> None:
+        """The executor's step changed (an update applied, a state loaded): answer the long polls."""
+        if self._stepped is not None:
+            self._stepped.set()
+            self._stepped = None
+
+    async def wait_for_step(self, step: int, wait_s: float) -> None:
+        """Until the executor's step reaches `step`, at most `wait_s` (an Info long poll)."""
+        deadline = time.monotonic() + min(wait_s, MAX_INFO_WAIT_S)
+        while (self.executor is None or self.executor.step < step) and time.monotonic() < deadline:
+            if self._stepped is None:
+                self._stepped = asyncio.Event()
+            try:
+                async with asyncio.timeout(deadline - time.monotonic()):
+                    await self._stepped.wait()
+            except TimeoutError:
+                return
 
     def check_target(self, run_id: str, stage: int) -> tuple[StageExecutor, StageSchema]:
         """The executor and schema to serve a request for (run_id, stage) with, or a typed error:

@@ -310,18 +310,19 @@ class Trainer:
                 if self.in_flight < self.cfg.max_in_flight:
                     mb = self._next_microbatch(step)
                     if mb is not None:
-                        if idle_since is not None:
-                            self.stats.idle_s += time.monotonic() - idle_since
-                            idle_since = None
+                        self.stats.idle_s += 0.0 if idle_since is None else time.monotonic() - idle_since
+                        idle_since = None
                         self.in_flight += 1
                         self.stats.microbatches_started += 1
                         task = asyncio.create_task(self._run_microbatch(mb))
                         tasks.add(task)
                         task.add_done_callback(tasks.discard)
                         continue
-                if self.in_flight == 0 and idle_since is None:
-                    idle_since = time.monotonic()
-                await self._wait_progress(PROGRESS_WAIT_S)
+                # nothing in flight, held back by the pacing: learn of the next step the moment it is applied
+                idle_since = (idle_since or time.monotonic()) if self.in_flight == 0 else idle_since
+                idle = self.in_flight == 0 and step is not None
+                if not (idle and await self.view.wait_for_step(step + 1, PROGRESS_WAIT_S)):
+                    await self._wait_progress(PROGRESS_WAIT_S)
                 for task in [t for t in tasks if t.done() and not t.cancelled() and t.exception()]:
                     raise task.exception()
         finally:

@@ -65,8 +65,10 @@ class StageClient:
         )
         self._get_ledger = self.channel.unary_stream("/swarm.Stage/GetLedger", request_serializer=ser)
 
-    async def info(self, timeout: float) -> pb.InfoResponse:
-        return await self._info(pb.InfoRequest(), timeout=timeout)
+    async def info(self, timeout: float, wait_for_step: int = 0, wait_s: float = 0.0) -> pb.InfoResponse:
+        """The peer's Info; with `wait_for_step`, once its step reaches that (or after `wait_s`)."""
+        request = pb.InfoRequest(wait_for_step=wait_for_step, wait_ms=round(1000 * wait_s))
+        return await self._info(request, timeout=timeout + wait_s)
 
     async def call(
         self, kind: str, request: Message, tensors: dict[str, WireTensor], timeout: float

@@ -34,7 +34,7 @@ class _Client:
     def __init__(self, answers: list):
         self.answers, self.calls = answers, 0
 
-    async def info(self, timeout: float):
+    async def info(self, timeout: float, wait_for_step: int = 0, wait_s: float = 0.0):
         self.calls += 1
         return self.answers[0]
 
@@ -63,5 +63,46 @@ def test_view_polls_a_peer_at_the_period_it_asks_for():
         # polled every 2 s, it stays live for 3 periods (6 s), beyond the 4 s window
         now = status.last_info_ok + LIVENESS_WINDOW_S + 1.0
         assert view.is_live(status, now) and not view.is_live(status, status.last_info_ok + 6.5)
+
+    asyncio.run(go())
+
+
+def test_a_long_poll_answers_when_the_step_changes():
+    """A peer holds an Info long poll until its step reaches the one asked for (notify_step, after an
+    update), or until the wait is over."""
+    from swarm.peer.serving import ServingState
+
+    class _Executor:
+        step = 3
+
+    async def go():
+        serving = ServingState("run", "peer", "0")
+        serving.executor = _Executor()
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await serving.wait_for_step(3, 5.0)  # already there: at once
+        assert loop.time() - t0 < 0.5
+        waiter = asyncio.ensure_future(serving.wait_for_step(4, 5.0))
+        await asyncio.sleep(0.05)
+        assert not waiter.done()
+        serving.executor.step = 4
+        serving.notify_step()
+        await asyncio.wait_for(waiter, 1.0)  # answered on the change, not after the 5 s
+        t0 = loop.time()
+        await serving.wait_for_step(9, 0.2)  # never reached: the wait ends
+        assert 0.15 < loop.time() - t0 < 2.0
+
+    asyncio.run(go())
+
+
+def test_view_waits_for_the_global_step_with_long_polls():
+    async def go():
+        client = _Client([pb.InfoResponse(peer_id="p1", stage=0, state="online", step=5)])
+        view = SwarmView(dht=None, num_stages=1, clients=_Clients(client))
+        status = PeerStatus(PeerLoad("p1", 0, "addr"), record_state=PeerState.ONLINE, step=4)
+        view.peers["p1"] = status
+        assert await view.wait_for_step(5, 0.5) and client.calls == 1 and view.global_step() == 5
+        assert not await view.wait_for_step(5, 0.5)  # nobody is below step 5: nothing to wait for
+        assert client.calls == 1
 
     asyncio.run(go())
