@@ -151,8 +151,12 @@ class Peer:
 
     def _note_mates_step(self) -> None:
         """After each round of Info polls: how far the stage is (swarm.peer.server tells a request
-        for a step this peer has not reached from one no peer of the stage takes)."""
-        self.serving.mates_step = max((mate.step for mate in self.membership.live_mates()), default=0)
+        for a step this peer has not reached from one no peer of the stage takes). Every mate it has
+        heard from counts, live or not: right after a pause (SIGSTOP, a cut link) no mate looks live
+        yet, and a request for the stage's current step was refused as invalid, its microbatch lost."""
+        m = self.membership
+        mates = m.view.stage_peers(m.stage, live_only=False)
+        self.serving.mates_step = max((mate.step for mate in mates if mate.last_info_ok), default=0)
 
     def _print_ready(self) -> None:
         m = self.membership

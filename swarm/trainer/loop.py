@@ -35,7 +35,7 @@ from swarm.policy.pacing import StepPacer
 from swarm.policy.wiring import Wiring
 from swarm.trainer.config import TrainerConfig
 from swarm.trainer.honesty import Honesty, default_tolerance
-from swarm.trainer.microbatch import Microbatch
+from swarm.trainer.microbatch import MAX_REJECTIONS, Microbatch
 from swarm.trainer.replay import Replayer
 from swarm.trainer.report import Reporter, Stats
 from swarm.trainer.router import NO_RETRY_CAP, MicrobatchFailed, MicrobatchRejected, Router, StageUnavailable
@@ -138,8 +138,7 @@ class Trainer:
         return self.dht.publish_trainer(record, ttl)
 
     async def close(self) -> None:
-        for task in self._background:
-            task.cancel()
+        _ = [task.cancel() for task in self._background]
         if self.metrics is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.metrics.stop)
         if self.view is not None:
@@ -261,6 +260,10 @@ class Trainer:
             return True
         except MicrobatchRejected as e:
             self.stats.microbatches_rejected += 1
+            if not self.run.exact and mb.rejections < MAX_REJECTIONS:  # dropped, its step could never complete
+                logger.warning("microbatch %s rejected (%s); it is queued again", mb.cid, e)
+                self._retry.append(mb.again(rejected=True))
+                return False
             self.pacer.done(mb.step_tag, mb.samples)  # given up: waiting for it would stall the pacing
             logger.error("microbatch %s dropped: %s", mb.cid, e)
             if self.run.exact:
@@ -270,7 +273,7 @@ class Trainer:
             # failed before any gradient was accumulated: run the same samples again, same step
             self.stats.microbatches_requeued += 1
             logger.warning("microbatch %s failed (%s); it is queued again", mb.cid, e)
-            self._retry.append(Microbatch(mb.cid, mb.indices, mb.inputs, mb.targets, mb.step_tag, mb.digest))
+            self._retry.append(mb.again())
             return False
         finally:
             self.in_flight -= 1
@@ -331,8 +334,8 @@ class Trainer:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def validate(self) -> float:
-        cfg = self.cfg
-        return await validation_loss(self.router, self.run, self.dataset, cfg.val_samples, self.codec, self.trainer_id)
+        args = (self.router, self.run, self.dataset, self.cfg.val_samples, self.codec, self.trainer_id)
+        return await validation_loss(*args)
 
     async def _final_validation(self) -> float | None:
         """The final validation loss (trainer 0). After a stop request it is bounded by
@@ -344,11 +347,9 @@ class Trainer:
         else:
             try:
                 val_loss = await asyncio.wait_for(self.validate(), STOPPED_VALIDATION_S)
-            except TimeoutError:
-                logger.warning("stopping: final validation left out (no answer within %.0f s)", STOPPED_VALIDATION_S)
-                return None
-            except (MicrobatchFailed, StageUnavailable) as e:
-                logger.warning("stopping: final validation left out (%s)", e)
+            except (TimeoutError, MicrobatchFailed, StageUnavailable) as e:
+                why = e if str(e) else f"no answer within {STOPPED_VALIDATION_S:.0f} s"
+                logger.warning("stopping: final validation left out (%s)", why)
                 return None
         logger.info("final validation loss %.4f", val_loss)
         return val_loss

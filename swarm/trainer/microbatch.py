@@ -10,6 +10,8 @@ import torch
 from swarm.wire.protocol import pb
 from swarm.wire.tensors import WireTensor
 
+MAX_REJECTIONS = 3  # async: a microbatch a peer refused as invalid runs again this many times, then is dropped
+
 
 @dataclass
 class Microbatch:
@@ -21,6 +23,15 @@ class Microbatch:
     digest: int  # of its sample indices
     done: bool = False
     held: set[int] = field(default_factory=set)  # stages whose gradient is not yet applied
+    rejections: int = 0  # times a peer refused it as invalid (async mode runs it again, a few times)
+
+    def again(self, rejected: bool = False) -> Microbatch:
+        """The same samples for the same step, to run again from the start (stages that already hold
+        its gradient answer a duplicate: its id is the same)."""
+        return Microbatch(
+            self.cid, self.indices, self.inputs, self.targets, self.step_tag, self.digest,
+            rejections=self.rejections + int(rejected),
+        )  # fmt: skip
 
     @property
     def samples(self) -> int:
