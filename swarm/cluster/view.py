@@ -290,13 +290,14 @@ class SwarmView:
     async def wait_for_step(self, step: int, wait_s: float) -> bool:
         """Until the global step reaches `step`, at most about `wait_s`: the live, online peers still
         below it answer an Info long poll the moment they apply the update (what a trainer held back by
-        the pacing waits for, learnt at once instead of at the next poll). False, at once, when no
-        known peer is below `step` (nothing to wait for here)."""
+        the pacing waits for, learnt at once instead of at the next poll). False when it did not wait:
+        no known peer is below `step`, or none answered (a cut link: the caller's own wait paces it)."""
         now = time.monotonic()
         online = [s for s in self.peers.values() if s.record_state == PeerState.ONLINE and self.is_live(s, now)]
-        pending = {asyncio.ensure_future(self._poll_one(s, step, wait_s)) for s in online if s.step < step}
-        if not pending:
-            return False
+        behind = [s for s in online if s.step < step]
+        before = [s.last_info_ok for s in behind]
+        pending = {asyncio.ensure_future(self._poll_one(s, step, wait_s)) for s in behind}
+        reached = None
         try:
             while pending:
                 _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -307,7 +308,8 @@ class SwarmView:
             for task in pending:
                 task.cancel()
             self.changed.set()
-        return True
+        answered = any(s.last_info_ok > t for s, t in zip(behind, before, strict=True))
+        return answered or (reached is not None and reached >= step)
 
     async def _dht_loop(self) -> None:
         while True:

@@ -48,6 +48,7 @@ CONFIG_CHECK_S = 30.0  # how often a peer checks that the run config record is s
 CONFIG_TTL_S = 120.0
 SERVER_GRACE_S = 1.0
 FAULT_LEAVE_HOLD_S = 2.0  # the leave fault: how long the peer looks online with its compute stopped
+MATES_REPOLL_S = 0.05  # a mate's freeze makes this peer re-read its mates at most this often
 
 
 class Peer:
@@ -191,9 +192,12 @@ class Peer:
         self.serving.on_accumulated = self.step_wake.set
         self.view.info_listeners.append(self.step_wake.set)  # a round of Info polls sets it
         self._mates_poll: asyncio.Task | None = None
+        self._mates_poll_at = 0.0
 
-        def mate_froze() -> None:
-            if self._mates_poll is None or self._mates_poll.done():
+        def mate_froze() -> None:  # at most one such round in flight, and one per MATES_REPOLL_S
+            now = time.monotonic()
+            if (self._mates_poll is None or self._mates_poll.done()) and now - self._mates_poll_at > MATES_REPOLL_S:
+                self._mates_poll_at = now
                 self._mates_poll = asyncio.create_task(self.view.poll_info({self.membership.stage}))
 
         self.serving.on_mate_froze = mate_froze

@@ -41,10 +41,12 @@ def dht_period(
 
 
 class PollerCount:
-    """The distinct processes polling this peer lately (one gRPC connection each: its address)."""
+    """The distinct processes polling this peer lately (one gRPC connection each: its address). The
+    window stretches with the period this count asks for (twice it), or pollers that follow a long
+    period would drop out of the count between their polls and the count would cap itself."""
 
-    def __init__(self, window_s: float = POLLERS_WINDOW_S) -> None:
-        self.window_s = window_s
+    def __init__(self, window_s: float = POLLERS_WINDOW_S, budget_per_s: float = INFO_BUDGET_PER_S) -> None:
+        self.window_s, self.budget_per_s = window_s, budget_per_s
         self._last: dict[str, float] = {}
         self._pruned = 0.0
 
@@ -52,7 +54,8 @@ class PollerCount:
         """Note a poll from `who`; returns how many distinct pollers polled within the window."""
         now = time.monotonic() if now is None else now
         self._last[who] = now
+        window = max(self.window_s, 2 * len(self._last) / self.budget_per_s)
         if now - self._pruned > self.window_s / 4:
             self._pruned = now
-            self._last = {k: t for k, t in self._last.items() if now - t <= self.window_s}
+            self._last = {k: t for k, t in self._last.items() if now - t <= window}
         return len(self._last)

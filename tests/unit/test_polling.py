@@ -106,3 +106,15 @@ def test_view_waits_for_the_global_step_with_long_polls():
         assert client.calls == 1
 
     asyncio.run(go())
+
+
+def test_poller_count_keeps_pollers_that_follow_a_long_period():
+    """1000 pollers, each polling every 10 s (the period 1000 pollers are asked for): the count stays
+    at 1000, so the period asked for stays 10 s (a fixed 2 s window would count about 200)."""
+    count = PollerCount(window_s=2.0)
+    n, now = 0, 0.0
+    for rnd in range(3):
+        for i in range(1000):
+            now = rnd * 10.0 + i * 0.01
+            n = count.seen(f"p{i}", now=now)
+    assert n == 1000 and info_period(n, INFO_PERIOD_S) == pytest.approx(10.0)

@@ -36,6 +36,11 @@ from swarm.training.optim import build_optimizer
 
 logger = logging.getLogger(__name__)
 
+
+def _plus(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    return b if a is None else a if b is None else a + b
+
+
 # what torch raises on a request the schema let through but the module cannot take
 _REQUEST_FAULTS = (ValueError, RuntimeError, IndexError, TypeError)
 
@@ -358,14 +363,13 @@ class StageExecutor(StageUpdates):
         # stages); a new contribution must be for an update this peer has not frozen or applied
         target_step = max(tasks[0].tag, self.acc.accumulating_step) if duplicate else self.acc.target_step(tasks[0].tag)
         answers: list[tuple[Task, torch.Tensor | None, torch.Tensor | None]] = []
+        total: list[torch.Tensor | None] | None = None  # the batch's parameter gradients, summed over groups
         for group, kept in self._backward_groups(tasks, target_step, duplicate):
             if kept is None:
                 param_grads, grad_input, losses, _ = self._gradients(group, target_step, duplicate)
             else:
                 param_grads, grad_input, losses, _ = self._gradients_kept(group[0], kept)
-            if not duplicate:
-                held = {t.request_id or f"anonymous-{id(t)}": Held(t.size, t.digest) for t in group}
-                self.acc.add(target_step, param_grads, held)
+            total = param_grads if total is None else [_plus(a, b) for a, b in zip(total, param_grads, strict=True)]
             grad_input = None if grad_input is None else grad_input.detach().cpu()
             losses = None if losses is None else losses.cpu()
             offset = 0
@@ -375,6 +379,9 @@ class StageExecutor(StageUpdates):
                 answers.append(
                     (task, None if grad_input is None else grad_input[sl], None if losses is None else losses[sl])
                 )
+        if not duplicate:  # one add for the whole batch: all of it is accumulated, or (an error) none
+            held = {t.request_id or f"anonymous-{id(t)}": Held(t.size, t.digest) for t in tasks}
+            self.acc.add(target_step, total or [], held)
         n = sum(t.size for t in tasks)
         elapsed = time.perf_counter() - start
         self._record(n, elapsed)
