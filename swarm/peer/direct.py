@@ -86,12 +86,11 @@ async def average_direct(
     fetched = dict(zip(mates, await asyncio.gather(*(one(p) for p in mates)), strict=True))
     if own.samples != expected_samples.get(own_id):
         raise AveragingFailed(f"direct averaging for step {agreement.step}: this peer's sum is not the agreed one")
-    flats = {own_id: torch.cat([g.detach().reshape(-1).to(torch.float32) for g in own.grads]).cpu()}
-    flats.update({p: a.grads and torch.cat([g.reshape(-1) for g in a.grads]) for p, a in fetched.items()})
-    total = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32)
-    for peer_id in sorted(flats):  # the same order on every member: the same sum, bit for bit
-        if flats[peer_id] is not None:
-            total.add_(flats[peer_id])
-    total.div_(max(1, agreement.samples))
-    mean = [g.view(p.shape).to(p.dtype) for g, p in zip(total.split([p.numel() for p in params]), params, strict=True)]
+    sums = {own_id: [g.detach().to("cpu", torch.float32) for g in own.grads]}
+    sums.update({p: a.grads for p, a in fetched.items()})  # float32 views of what arrived, shaped as params
+    total = [torch.zeros(p.shape, dtype=torch.float32) for p in params]
+    for peer_id in sorted(sums):  # the same order on every member: the same sum, bit for bit
+        for buf, g in zip(total, sums[peer_id] or (), strict=False):
+            buf.add_(g)
+    mean = [buf.div_(max(1, agreement.samples)).to(p.dtype) for buf, p in zip(total, params, strict=True)]
     return AveragedGradient(mean, tuple(sorted(epochs)), time.monotonic() - start)

@@ -92,13 +92,16 @@ async def partial_chunks(executor: StageExecutor, step: int, frozen: bool = Fals
         # a mate that agreed a moment before this peer reached its own averaging waits for it, up to
         # FROZEN_WAIT_S, while this peer holds that update frozen (as in an all-reduce, every member
         # takes part: a sum is handed out only while its owner averages it too, or after)
-        deadline = time.monotonic() + FROZEN_WAIT_S
-        while True:
-            found = await asyncio.wrap_future(executor.call(lambda: executor.frozen_gradient(step)))
-            held = executor.acc.frozen is not None and executor.acc.frozen.step == step
-            if found is not None or not held or time.monotonic() > deadline:
-                break
+        # (read here without a hand-off to the compute thread; `frozen_gradient` there decides)
+        acc, deadline = executor.acc, time.monotonic() + FROZEN_WAIT_S
+        while (
+            executor.averaging_step != step
+            and acc.frozen is not None
+            and acc.frozen.step == step
+            and time.monotonic() < deadline
+        ):
             await asyncio.sleep(FROZEN_POLL_S)
+        found = await asyncio.wrap_future(executor.call(lambda: executor.frozen_gradient(step)))
         if found is None:
             raise PartialUnavailable(f"update {step} is not frozen here (this peer is at step {executor.step})")
         partial, epoch = found
