@@ -36,10 +36,11 @@ def figures(summary: dict, per_stage: int, stages: int) -> dict:
     steps, batch = summary["steps"], GLOBAL_BATCH
     scheduled = steps * batch
     by_stage: dict[int, dict[str, int]] = {}
-    for c in summary.get("peers", []):
-        if c.get("stage") is None:
-            continue
-        row = by_stage.setdefault(int(c["stage"]), {"processed": 0, "duplicates": 0, "checks": 0})
+    # each peer's counters at its last stage, and those of the stages it left (a move restarts them)
+    parts = [(c["stage"], c) for c in summary.get("peers", []) if c.get("stage") is not None]
+    parts += [(s, e) for c in summary.get("peers", []) for s, e in (c.get("earlier_stages") or {}).items()]
+    for stage, c in parts:
+        row = by_stage.setdefault(int(stage), {"processed": 0, "duplicates": 0, "checks": 0})
         row["processed"] += int(c.get("samples_processed", 0))
         row["duplicates"] += int(c.get("duplicate_samples", 0))
         row["checks"] += int(c.get("check_samples", 0))
@@ -73,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="gpt", help="gpt (the default model) or tiny")
     p.add_argument("--per-stage", default="2,4", help="peers per stage of the runs, in order (%(default)s)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--log-dir", help="keep each run's process logs under this folder (default: discarded)")
     args = p.parse_args(argv)
     t0 = time.monotonic()
     rows = []
@@ -81,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         cmd = ["--stages", "3", "--peers-per-stage", str(per_stage), "--trainers", "2", "--steps", str(args.steps)]
         print(f"swarm local {' '.join(cmd)} ...", file=sys.stderr, flush=True)
         cmd += ["--global-batch", str(GLOBAL_BATCH), "--trainer-arg=--val-samples=0"]
-        summary = swarm_local_json(cmd + extra)
+        logs = None if args.log_dir is None else str(Path(args.log_dir) / f"3x{per_stage}")
+        summary = swarm_local_json(cmd + extra, log_dir=logs)
         row = figures(summary, per_stage, 3)
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)

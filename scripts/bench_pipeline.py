@@ -508,9 +508,10 @@ def run_swarm(
 
 def update_timeline(counters: list[dict]) -> dict:
     """Where the stages' step time went (swarm.peer.stepping.UpdateTimeline), over every peer: ms per
-    update of freezing, agreeing, the all-reduce and applying, the mean interval between updates, and
-    the share of it the update took (the rest: compute and waiting for samples)."""
-    parts = ("freeze_s", "agree_s", "allreduce_s", "apply_s")
+    update of freezing, waiting for mates still taking samples, agreeing, the all-reduce and applying,
+    the mean interval between updates, and the share of it the update took (the rest: compute and
+    waiting for samples). `averaging_share`: agreeing + the all-reduce; `wait_share`: the stragglers."""
+    parts = ("freeze_s", "wait_mates_s", "agree_s", "allreduce_s", "apply_s")
     lines = [c.get("update_timeline") or {} for c in counters]
     updates = sum(t.get("updates", 0) for t in lines)
     intervals = sum(t.get("intervals", 0) for t in lines)
@@ -520,6 +521,7 @@ def update_timeline(counters: list[dict]) -> dict:
     out["interval_ms"] = round(1000 * sum(t.get("interval_s", 0.0) for t in lines) / intervals, 2)
     out["update_share"] = round(sum(out[p.removesuffix("_s") + "_ms"] for p in parts) / out["interval_ms"], 4)
     out["averaging_share"] = round((out["agree_ms"] + out["allreduce_ms"]) / out["interval_ms"], 4)
+    out["wait_share"] = round(out["wait_mates_ms"] / out["interval_ms"], 4)
     out["failed_round_s"] = round(sum(t.get("failed_round_s", 0.0) for t in lines), 3)
     return out
 
@@ -700,7 +702,8 @@ def print_table(cfg: BenchConfig, rows: list[Result], figures: dict, wall_s: flo
         if tl:
             note = (note + "; " if note else "") + (
                 f"update {tl['update_share']:.0%} of a step (all-reduce {tl['allreduce_ms']:.0f} ms, agree "
-                f"{tl['agree_ms']:.0f} ms of {tl['interval_ms']:.0f} ms)"
+                f"{tl['agree_ms']:.0f} ms, waiting for mates {tl['wait_mates_ms']:.0f} ms "
+                f"of {tl['interval_ms']:.0f} ms)"
             )
         if "trainer_idle_share" in r.extra:
             note = (note + "; " if note else "") + f"trainer idle {r.extra['trainer_idle_share']:.0%}"

@@ -1,13 +1,19 @@
 #!/usr/bin/env python
-"""Wire-path benchmark: Forward round trips through a real peer's gRPC server on loopback, side by side
-with a raw TCP socket echo measured in the same run.
+"""Wire-path benchmark: Forward round trips through a real peer on loopback, over its lane (plain TCP,
+swarm.wire.lane: what trainers use in an open swarm) and over gRPC, side by side with a raw TCP
+socket echo measured in the same run.
 
 The peer serves an identity stage (no compute), so the figure is the wire path itself: encode, send,
 decode and validate on the peer, batch on its compute thread, encode, return, decode.
 
     python scripts/bench_wire.py [--quick] [--json]
 
-JSON keys: ratio_vs_raw_socket, grpc_GBps, raw_socket_GBps, p50_small_ms, p99_small_ms (+ settings).
+A bare grpc.aio unary echo of the same sizes (another process, no peer) runs in the same invocation:
+the floor any Python gRPC service gets on this machine.
+
+JSON keys: ratio_vs_raw_socket and p50_small_ms / p99_small_ms (the lane), lane_GBps,
+grpc_ratio_vs_raw_socket, grpc_GBps, grpc_p50_small_ms, raw_socket_GBps, bare_grpc_round_trip_ms,
+bare_grpc_ratio_vs_raw_socket, bare_grpc_p50_small_ms (+ settings).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import platform
 import socket
@@ -91,16 +98,80 @@ def raw_socket_round_trips(nbytes: int, iterations: int) -> float:
     return statistics.median(times)
 
 
+# ---- a bare grpc.aio echo: the floor of Python gRPC on this machine ----
+
+
+def _bare_echo_server(ports: multiprocessing.Queue) -> None:
+    import grpc
+
+    from swarm.wire.options import server_options
+
+    async def echo(raw: bytes, context) -> bytes:
+        return raw
+
+    async def serve() -> None:
+        server = grpc.aio.server(options=server_options(256 * MiB))
+        methods = {"Echo": grpc.unary_unary_rpc_method_handler(echo)}
+        handler = grpc.method_handlers_generic_handler("bench.Echo", methods)
+        server.add_generic_rpc_handlers((handler,))
+        ports.put(server.add_insecure_port("127.0.0.1:0"))
+        await server.start()
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+def bare_grpc_round_trips(sizes_iters: list[tuple[int, int]]) -> list[list[float]]:
+    """Round trip times of a bare grpc.aio unary echo (another process, no peer, no tensors) for
+    each (bytes, iterations): what any Python gRPC service gets here, next to the peer's figures."""
+    import grpc
+
+    from swarm.wire.options import channel_options
+
+    ports: multiprocessing.Queue = multiprocessing.get_context("spawn").Queue()
+    server = multiprocessing.get_context("spawn").Process(target=_bare_echo_server, args=(ports,), daemon=True)
+    server.start()
+
+    async def measure(port: int) -> list[list[float]]:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=channel_options(256 * MiB)) as channel:
+            call = channel.unary_unary("/bench.Echo/Echo")
+            out = []
+            for nbytes, iters in sizes_iters:
+                payload, times = os.urandom(nbytes), []
+                for i in range(iters + 2):
+                    start = time.perf_counter()
+                    await call(payload, timeout=60)
+                    if i >= 2:
+                        times.append(time.perf_counter() - start)
+                out.append(times)
+            return out
+
+    try:
+        return asyncio.run(measure(ports.get(timeout=60)))
+    finally:
+        server.kill()
+        server.join(timeout=10)
+
+
 # ---- gRPC through a real peer ----
 
 
-async def grpc_round_trips(address: str, run_id: str, tensor: torch.Tensor, iterations: int) -> list[float]:
+async def peer_round_trips(address: str, run_id: str, tensor: torch.Tensor, iterations: int, lane: bool) -> list[float]:
+    """Forward round trips through the peer: over its lane (what trainers use in an open swarm) or
+    over gRPC."""
     client = StageClient(address)
     try:
+        if lane:
+            info = await client.info(timeout=10)
+            if not info.lane_port:
+                raise RuntimeError("the peer offers no lane")
+            client.set_lane(info.lane_port)
         times = []
         for i in range(iterations + 2):
             start = time.perf_counter()
-            request = pb.ForwardRequest(request_id=f"bench-{i}", run_id=run_id, stage=0, reply_codec=pb.CODEC_NONE)
+            request = pb.ForwardRequest(
+                request_id=f"bench-{i}", run_id=run_id, stage=0, reply_codec=pb.CODEC_NONE, validation=True
+            )
             wire = WireTensor.encode(tensor, pb.CODEC_NONE)
             _, output = await client.call("forward", request, {"input": wire}, timeout=60)
             out = output.decode()
@@ -108,6 +179,8 @@ async def grpc_round_trips(address: str, run_id: str, tensor: torch.Tensor, iter
                 times.append(time.perf_counter() - start)
             if out.shape != tensor.shape:
                 raise RuntimeError(f"identity stage returned shape {tuple(out.shape)}")
+        if lane and client.lane_calls < iterations:
+            raise RuntimeError(f"only {client.lane_calls} of {iterations + 2} calls went over the lane")
         return times
     finally:
         await client.close()
@@ -130,6 +203,9 @@ def main() -> int:
     log(f"raw TCP loopback echo of {large.numel() * 4 / MiB:.0f} MiB x {large_iters}...")
     raw_s = raw_socket_round_trips(large.numel() * 4, large_iters)
 
+    log("bare grpc.aio echo (no peer) of the same sizes...")
+    bare_large, bare_small = bare_grpc_round_trips([(large.numel() * 4, large_iters), (small.numel() * 4, small_iters)])
+
     results: dict = {}
     with tempfile.TemporaryDirectory() as logs:
         for name, model, tensor, iters in (
@@ -145,33 +221,53 @@ def main() -> int:
                 swarm.start_coordinator()
                 peer = swarm.start_peer(0, extra=["--no-rebalance"])
                 kib = tensor.numel() * 4 / 1024
-                log(f"gRPC Forward round trips of {kib:.0f} KiB x {iters} through peer {peer.ready['address']}...")
-                results[name] = asyncio.run(grpc_round_trips(peer.ready["address"], swarm.run_id, tensor, iters))
+                address = peer.ready["address"]
+                for path, lane in (("lane", True), ("grpc", False)):
+                    log(f"{path} Forward round trips of {kib:.0f} KiB x {iters} through peer {address}...")
+                    results[name, path] = asyncio.run(peer_round_trips(address, swarm.run_id, tensor, iters, lane))
 
     nbytes = large.numel() * 4
-    grpc_s = statistics.median(results["large"])
-    small_ms = sorted(t * 1000 for t in results["small"])
-    p99_index = min(len(small_ms) - 1, int(round(0.99 * (len(small_ms) - 1))))
+    lane_s, grpc_s = statistics.median(results["large", "lane"]), statistics.median(results["large", "grpc"])
+
+    def percentiles(times: list[float]) -> tuple[float, float]:
+        ms = sorted(t * 1000 for t in times)
+        return statistics.median(ms), ms[min(len(ms) - 1, int(round(0.99 * (len(ms) - 1))))]
+
+    (p50, p99), (grpc_p50, grpc_p99) = percentiles(results["small", "lane"]), percentiles(results["small", "grpc"])
     out = {
-        "ratio_vs_raw_socket": raw_s / grpc_s,
+        "ratio_vs_raw_socket": raw_s / lane_s,  # the path trainers use: the lane (open swarms)
+        "p50_small_ms": p50,
+        "p99_small_ms": p99,
+        "lane_GBps": 2 * nbytes / lane_s / 1e9,
+        "lane_round_trip_ms": lane_s * 1000,
+        "grpc_ratio_vs_raw_socket": raw_s / grpc_s,  # private swarms (TLS, certificates) use gRPC
         "grpc_GBps": 2 * nbytes / grpc_s / 1e9,
-        "raw_socket_GBps": 2 * nbytes / raw_s / 1e9,
         "grpc_round_trip_ms": grpc_s * 1000,
+        "grpc_p50_small_ms": grpc_p50,
+        "grpc_p99_small_ms": grpc_p99,
+        "raw_socket_GBps": 2 * nbytes / raw_s / 1e9,
         "raw_round_trip_ms": raw_s * 1000,
-        "p50_small_ms": statistics.median(small_ms),
-        "p99_small_ms": small_ms[p99_index],
+        "bare_grpc_round_trip_ms": statistics.median(bare_large) * 1000,
+        "bare_grpc_ratio_vs_raw_socket": raw_s / statistics.median(bare_large),
+        "bare_grpc_p50_small_ms": statistics.median(bare_small) * 1000,
         "large_bytes": nbytes,
         "small_bytes": small.numel() * 4,
         "iterations": {"large": large_iters, "small": small_iters},
         "machine": f"{platform.machine()} {os.cpu_count()} cpus, python {platform.python_version()}",
         "torch": torch.__version__,
     }
-    print(f"{'path':<28}{'round trip':>14}{'GB/s (both ways)':>20}")
+    print(f"{'path':<28}{'round trip':>14}{'GB/s (both ways)':>20}{'64 KiB p50':>14}")
     print(f"{'raw TCP socket (loopback)':<28}{out['raw_round_trip_ms']:>11.2f} ms{out['raw_socket_GBps']:>20.2f}")
-    print(f"{'gRPC Forward via a peer':<28}{out['grpc_round_trip_ms']:>11.2f} ms{out['grpc_GBps']:>20.2f}")
-    print(f"ratio vs raw socket: {out['ratio_vs_raw_socket']:.2f}   (target >= 0.5)")
-    p50, p99 = out["p50_small_ms"], out["p99_small_ms"]
-    print(f"64 KiB Forward round trip: p50 {p50:.2f} ms, p99 {p99:.2f} ms   (target p50 < 1 ms)")
+    print(f"{'Forward via a peer, lane':<28}{lane_s * 1000:>11.2f} ms{out['lane_GBps']:>20.2f}{p50:>11.2f} ms")
+    print(f"{'Forward via a peer, gRPC':<28}{grpc_s * 1000:>11.2f} ms{out['grpc_GBps']:>20.2f}{grpc_p50:>11.2f} ms")
+    bare_gbps = 2 * nbytes / (out["bare_grpc_round_trip_ms"] / 1000) / 1e9
+    bare_p50 = out["bare_grpc_p50_small_ms"]
+    print(f"{'bare grpc.aio echo':<28}{out['bare_grpc_round_trip_ms']:>11.2f} ms{bare_gbps:>20.2f}{bare_p50:>11.2f} ms")
+    print(f"lane ratio vs raw socket: {out['ratio_vs_raw_socket']:.2f}   (target >= 0.5)")
+    print(f"64 KiB Forward round trip over the lane: p50 {p50:.2f} ms, p99 {p99:.2f} ms   (target p50 < 1 ms)")
+    print(
+        f"gRPC: ratio {out['grpc_ratio_vs_raw_socket']:.2f}, 64 KiB p50 {grpc_p50:.2f} ms (bare echo {bare_p50:.2f} ms)"
+    )
     if args.json:
         print(json.dumps(out))
     return 0

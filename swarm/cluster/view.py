@@ -37,6 +37,7 @@ class PeerStatus:
     accumulating_step: int = 0
     samples_accumulated: int = 0
     last_info_ok: float = 0.0
+    info_asked: float = 0.0  # when the Info request behind the fields below was sent (monotonic)
     first_seen: float = field(default_factory=time.monotonic)
     info_failures: int = 0
     fingerprint: tuple[float, float] = (0.0, 0.0)
@@ -224,6 +225,7 @@ class SwarmView:
 
     async def _poll_one(self, status: PeerStatus, wait_for_step: int = 0, wait_s: float = 0.0) -> None:
         status.next_poll = time.monotonic() + self.info_period_s  # after a failure: try again at the base rate
+        asked = time.monotonic()
         try:
             client = self.clients.get(status.load.address)
             info = await client.info(timeout=self.info_timeout_s, wait_for_step=wait_for_step, wait_s=wait_s)
@@ -238,7 +240,8 @@ class SwarmView:
             status.info_failures += 1  # a different process now listens at that address
             return
         status.info_failures = 0
-        status.last_info_ok = time.monotonic()
+        client.set_lane(info.lane_port)
+        status.last_info_ok, status.info_asked = time.monotonic(), asked
         if info.poll_period_ms > 0:
             status.poll_period_s = max(self.info_period_s, info.poll_period_ms / 1000)
         status.next_poll = status.last_info_ok + status.poll_period_s
@@ -328,11 +331,22 @@ class SwarmView:
             await self.poll_info(self.poll_stages, due_only=True)
             await asyncio.sleep(self.info_period_s)
 
-    def start(self, poll_stages: set[int] | None = None) -> None:
+    async def _accusations_loop(self, period_s: float) -> None:
+        while True:
+            await asyncio.sleep(period_s)
+            try:
+                await self.refresh_accusations()
+            except Exception as e:  # noqa: BLE001 - the next read, or the DHT refresh, tries again
+                logger.debug("reading the accusations failed: %s", e)
+
+    def start(self, poll_stages: set[int] | None = None, accusations_period_s: float | None = None) -> None:
         """Refresh the DHT records of all stages; poll Info of the peers of `poll_stages` (all if None;
-        a peer that moves changes `poll_stages`)."""
+        a peer that moves changes `poll_stages`); with `accusations_period_s`, read the accusations that
+        often too (a trainer: it stops sending a liar work once it reads the accusation)."""
         self.poll_stages = poll_stages
         self._tasks = [asyncio.create_task(self._dht_loop()), asyncio.create_task(self._info_loop())]
+        if accusations_period_s:
+            self._tasks.append(asyncio.create_task(self._accusations_loop(accusations_period_s)))
 
     async def stop(self) -> None:
         for task in self._tasks:

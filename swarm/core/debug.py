@@ -1,7 +1,9 @@
 """Debug and fault-injection hooks, kept out of the roles' production settings.
 
 - `FaultPlan`: torchft-style deterministic fault injection, "fail at this step in this way" (tests
-  use it through `swarm peer --debug-fail-at-step N --debug-fail-mode kill|stop|exit`).
+  use it through `swarm peer --debug-fail-at-step N --debug-fail-mode kill|stop|exit|leave`; with
+  `--debug-fail-in-request` the fault fires inside the first training request served at that step
+  or later, so that a request is in flight when it strikes).
 - `LiePlan`: a dishonest peer, for the tests of lying-peer detection (`swarm peer --debug-lie outputs`
   perturbs its forward outputs and input gradients; `--debug-lie gradients` scales its contribution to
   the stage's averaging).
@@ -33,10 +35,15 @@ class FaultPlan:
     """Fail when the stage reaches `fail_at_step`: SIGKILL self (kill), SIGSTOP self (stop; a test
     resumes it with SIGCONT), exit at once with code 3 (exit), or leave the stage the hard way
     (leave: the compute stops while the peer still looks online to trainers, as in the moment a peer
-    starts to leave before its record and Info say so; then it moves to the next stage)."""
+    starts to leave before its record and Info say so; then it moves to the next stage).
+
+    `in_request`: fire inside the first training request served once the step is reached (before it
+    is computed), not from the step loop, so that the fault meets a call in flight: a stopped peer
+    leaves the trainer waiting for its deadline, a leaving one answers that request UNAVAILABLE."""
 
     fail_at_step: int | None = None
     fail_mode: str = "kill"
+    in_request: bool = False
 
     def __post_init__(self) -> None:
         if self.fail_mode not in FAIL_MODES:
@@ -90,6 +97,11 @@ def add_debug_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("debugging and fault injection (for tests and benchmarks)")
     g.add_argument("--debug-fail-at-step", type=int, metavar="STEP", help="fail when the stage reaches this step")
     g.add_argument("--debug-fail-mode", default="kill", choices=FAIL_MODES, help="how to fail (default kill)")
+    g.add_argument(
+        "--debug-fail-in-request",
+        action="store_true",
+        help="fail inside the first training request served at that step or later (a call is in flight)",
+    )
     g.add_argument("--profile-dir", metavar="DIR", help="write a cProfile of the event loop's CPU time here on exit")
     g.add_argument("--debug-lie", choices=LIE_MODES, help="be a dishonest peer (tests of lying-peer detection)")
     g.add_argument("--debug-lie-scale", type=float, default=0.5, help="how much to lie (default 0.5)")
@@ -99,7 +111,7 @@ def add_debug_args(parser: argparse.ArgumentParser) -> None:
 def fault_plan_from_args(args: argparse.Namespace) -> FaultPlan | None:
     if getattr(args, "debug_fail_at_step", None) is None:
         return None
-    return FaultPlan(args.debug_fail_at_step, args.debug_fail_mode)
+    return FaultPlan(args.debug_fail_at_step, args.debug_fail_mode, bool(getattr(args, "debug_fail_in_request", False)))
 
 
 def lie_plan_from_args(args: argparse.Namespace) -> LiePlan | None:
@@ -114,6 +126,7 @@ def cpu_profile(profile_dir: str | None, name: str) -> Iterator[None]:
     if not profile_dir:
         yield
         return
+    os.makedirs(profile_dir, exist_ok=True)
     profiler = cProfile.Profile(time.thread_time)
     profiler.enable()
     try:

@@ -46,6 +46,13 @@ class StepClosed(SwarmError):
     duplicate."""
 
 
+class StageBehind(SwarmError):
+    """A request for a step further ahead than this peer and every mate it knows of take: the stage is
+    behind the run (restored from an older checkpoint after all its peers died, say) and catches up
+    as the trainers replay the gradients it lost: ABORTED, the trainer tries again in a moment, for a
+    bounded time. (Refused as invalid, the microbatch was dropped and the step never completed.)"""
+
+
 class LateContribution(RequestInvalid):
     """A backward for an update this stage already applied without it (it cannot be applied exactly
     once any more): INVALID_ARGUMENT, and the ledger shows it lost."""

@@ -24,6 +24,7 @@ class Announcer:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.last_ok: float | None = None
+        self.last_publish = -float("inf")  # when the last attempt began (monotonic)
 
     def start(self) -> Announcer:
         self._thread.start()
@@ -32,8 +33,15 @@ class Announcer:
     def refresh_now(self) -> None:
         self._wake.set()
 
+    def refresh_soon(self, min_gap_s: float) -> None:
+        """Refresh now unless the record was published less than `min_gap_s` ago (then the next
+        periodic refresh carries the change): for frequent, minor changes."""
+        if time.monotonic() - self.last_publish >= min_gap_s:
+            self._wake.set()
+
     def _run(self) -> None:
         while not self._stop.is_set():
+            self.last_publish = time.monotonic()
             try:
                 if self.publish(self.ttl):
                     self.last_ok = time.monotonic()

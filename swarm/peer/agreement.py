@@ -15,6 +15,9 @@ of the peer's mean gradient, and with three or more members holding samples, a m
 more than OUTLIER_FACTOR times the median of the others' is left out of the update (its
 contributions are dropped by it and replayed by the trainers on its mates). Honest mean gradients
 of a few samples differ by small factors (sampling noise); a scaled or garbage gradient does not.
+One honest microbatch can stand out too (a loss spike): the left-out peer reports what it dropped,
+and the member that then holds a replay of it is not left out for it (a liar is left out again with
+its next, different contributions).
 
 The same module serves the ledger (GetLedger; swarm.cluster.ledger fetches it).
 """
@@ -47,6 +50,7 @@ def contributions_response(peer_id: str, snap: HeldSnapshot) -> pb.Contributions
     )  # fmt: skip
     for cid, held in snap.held.items():
         response.contributions.add(id=cid, samples=held.samples, digest=held.digest)
+    response.outlier_dropped.extend(sorted(snap.outlier_dropped))
     return response
 
 
@@ -54,7 +58,7 @@ def snapshot_of(response: pb.ContributionsResponse) -> HeldSnapshot:
     held = {c.id: Held(int(c.samples), int(c.digest)) for c in response.contributions}
     return HeldSnapshot(
         int(response.step), bool(response.frozen), int(response.epoch), held, int(response.applied_step),
-        float(response.grad_norm),
+        float(response.grad_norm), frozenset(response.outlier_dropped),
     )  # fmt: skip
 
 
@@ -102,9 +106,17 @@ def gradient_outliers(lists: dict[str, HeldSnapshot], factor: float = OUTLIER_FA
     out = {}
     for peer_id, norm in norms.items():
         median = statistics.median(n for p, n in norms.items() if p != peer_id)
-        if median > 0 and norm > factor * median:
+        if median > 0 and norm > factor * median and not _holds_a_replayed_outlier(peer_id, lists):
             out[peer_id] = norm / median
     return out
+
+
+def _holds_a_replayed_outlier(peer_id: str, lists: dict[str, HeldSnapshot]) -> bool:
+    """Whether `peer_id` holds a contribution that another member dropped when it was left out of
+    this update: the outlying norm followed the data (an honest heavy-tailed microbatch, replayed
+    here), not the peer. A peer's own report does not count (a liar could claim anything it holds)."""
+    held = lists[peer_id].held
+    return any(not held.keys().isdisjoint(s.outlier_dropped) for p, s in lists.items() if p != peer_id)
 
 
 def agree(step: int, lists: dict[str, HeldSnapshot]) -> Agreement:

@@ -1,6 +1,7 @@
 """Checkpoints of a stage: one peer per stage writes them (the live online peer with the smallest id,
-chosen without coordination), atomically, in a thread off the event loop, every `every` steps and
-once more at shutdown; a stage that lost all its peers is restored from the newest."""
+chosen without coordination), atomically, in a thread off the event loop, whenever its step passes a
+multiple of `every` (a writer that caught up by download writes the state it downloaded) and once
+more at shutdown; a stage that lost all its peers is restored from the newest."""
 
 from __future__ import annotations
 
@@ -45,14 +46,28 @@ class CheckpointWriter:
         self.meta, self.spec = stage_meta(run, stage), run.model
         self.peer_id, self.live_mates = peer_id, live_mates
         self.on_written = on_written  # (step, path): e.g. an event for status and dashboards
+        self._last_step = executor.step  # of the last update or state load seen
 
     def is_writer(self) -> bool:
         ids = [m.peer_id for m in self.live_mates() if m.record_state == PeerState.ONLINE] + [self.peer_id]
         return min(ids) == self.peer_id
 
-    def after_update(self, step: int) -> None:
-        if step % self.every == 0 and self.is_writer():
-            self.write_async()
+    def after_step(self, step: int) -> threading.Thread | None:
+        """After an update or a state download: write when the step passed a multiple of `every`. A
+        writer that caught up by download (it skipped the multiple) writes the downloaded state; with
+        "only on an update landing on the multiple", a lagging writer wrote none, and a whole stage
+        killed after that was restored from far behind."""
+        last, self._last_step = self._last_step, step
+        if step // self.every > last // self.every and self.is_writer():
+            return self.write_async()
+        return None
+
+    def load_latest(self, module, meta: dict):
+        """The newest loadable checkpoint (state, checkpoint) or None; its step counts as seen."""
+        found = self.store.load_latest(module, meta)
+        if found is not None:
+            self._last_step = found[1].step
+        return found
 
     def write_async(self) -> threading.Thread:
         ex = self.executor

@@ -25,6 +25,9 @@ class PeerConfig:
     host: str = setting("127.0.0.1", "interface for gRPC and the DHT (0.0.0.0 for all)")
     port: int = setting(0, "gRPC port (0: any free port)")
     dht_port: int = setting(0, "DHT port (0: any free port)")
+    lane_port: int = setting(
+        0, "Forward/Backward over plain TCP beside gRPC, at this port (0: any free port; -1: off; open swarms only)"
+    )
     announce_host: str | None = setting(
         None, "address other machines reach this peer at (public IP behind NAT, container IP; peers/README.md)"
     )

@@ -31,6 +31,7 @@ from swarm.core.states import PeerState, SyncMode
 from swarm.core.version import __version__
 from swarm.dht.node import SwarmDHT
 from swarm.peer.config import PeerConfig
+from swarm.peer.lane import LaneService
 from swarm.peer.membership import Membership
 from swarm.peer.partials import MatePartials
 from swarm.peer.placement import PlacementLoop
@@ -62,6 +63,7 @@ class Peer:
         self.dht: SwarmDHT | None = None
         self.serving: ServingState | None = None
         self.server = None
+        self.lane: LaneService | None = None
         self.view: SwarmView | None = None
         self.records: PeerRecords | None = None
         self.events: EventLog | None = None
@@ -69,6 +71,7 @@ class Peer:
         self.partials: MatePartials | None = None
         self._tasks: list[asyncio.Task] = []
         self.keeper = None  # a private swarm's certificate keeper
+        self._fault_leave: asyncio.Task | None = None  # the leave fault, fired in a request (debug)
 
     async def _join_run(self) -> tuple[SignedConfig, Verifier | None]:
         """The run's signed config; in a private swarm, admission (a certificate every call carries) and the
@@ -104,18 +107,14 @@ class Peer:
         run = signed.run
         self.serving = ServingState(run.run_id, self.dht.peer_id, __version__)
         self.serving.lie = self.lie
+        self.serving.before_compute = self._fault_in_request if self.faults and self.faults.in_request else None
         self.serving.codec = codec_from_name(run.codec)
         self.serving.exact = run.exact
-        ahead = 1 if run.exact else math.ceil(run.max_staleness) + 1  # a request's step, at most this far ahead
-        limits = Limits(
-            max_message_bytes=cfg.max_message_bytes,
-            max_batch=run.max_batch,
-            max_steps_ahead=ahead,
-            stream_read_timeout_s=cfg.stream_read_timeout_s,
-        )
+        limits = self._limits(run)
         service = StageService(self.serving, limits)
         server_tls = self.keeper.server_tls if self.keeper is not None else None
         self.server, port = await start_server(service, cfg.host, cfg.port, limits, verifier, server_tls)
+        await self._start_lane(service, private=verifier is not None or server_tls is not None)
         self.view = SwarmView(self.dht, run.num_stages, self.clients, exclude_peer=self.dht.peer_id)
         self.records = PeerRecords(self.dht, self.serving, self.device.type, cfg.announce_period_s, cfg.record_ttl_s)
         self.records.address = f"{cfg.announce_host or cfg.host}:{port}"
@@ -149,6 +148,22 @@ class Peer:
             self._tasks.append(asyncio.create_task(placement.run()))
         self._print_ready()
         self._tasks.append(asyncio.create_task(self._check_reachable(port)))
+
+    async def _start_lane(self, service: StageService, private: bool) -> None:
+        """The lane (swarm.wire.lane) of an open swarm: trainers learn its port from Info."""
+        if private or self.cfg.lane_port < 0:
+            return
+        self.lane = LaneService(service)
+        self.serving.lane_port = await self.lane.start(self.cfg.host, self.cfg.lane_port)
+
+    def _limits(self, run) -> Limits:
+        ahead = 1 if run.exact else math.ceil(run.max_staleness) + 1  # a request's step, at most this far ahead
+        return Limits(
+            max_message_bytes=self.cfg.max_message_bytes,
+            max_batch=run.max_batch,
+            max_steps_ahead=ahead,
+            stream_read_timeout_s=self.cfg.stream_read_timeout_s,
+        )
 
     def _note_mates_step(self) -> None:
         """After each round of Info polls: how far the stage is (swarm.peer.server tells a request
@@ -212,8 +227,10 @@ class Peer:
             except TimeoutError:
                 pass
             self.step_wake.clear()
-            if self.faults is not None and self.faults.due(m.step):
+            if self.faults is not None and not self.faults.in_request and self.faults.due(m.step):
                 await self._inject_fault()
+            if self._fault_leave is not None and not self._fault_leave.done():
+                continue  # the leave fault stopped the compute: no update until it has moved
             executor = m.executor
             if executor is not None and executor.throughput_ema:
                 self.serving.throughput = 0.8 * self.serving.throughput + 0.2 * executor.throughput_ema
@@ -226,7 +243,12 @@ class Peer:
             except Exception:  # noqa: BLE001 - a failed update must not kill the peer
                 logger.exception("update failed")
 
-    async def _inject_fault(self) -> None:
+    async def _fault_in_request(self, step: int) -> None:
+        """FaultPlan.in_request: called before a training request is computed."""
+        if self.faults.due(step):
+            await self._inject_fault(in_request=True)
+
+    async def _inject_fault(self, in_request: bool = False) -> None:
         m, faults = self.membership, self.faults
         if faults.fail_mode != LEAVE:
             faults.inject(m.step)
@@ -235,8 +257,17 @@ class Peer:
         logger.warning("fault injection: the compute stops at step %d while this peer still looks online", m.step)
         # requests now fail with ExecutorStopped: UNAVAILABLE, and the trainers retry elsewhere
         await asyncio.get_running_loop().run_in_executor(None, m.executor.stop)
+        leave = self._leave_after_hold()
+        if in_request:  # the request goes on (and fails UNAVAILABLE); the move follows in the background
+            self._fault_leave = asyncio.create_task(leave)
+            self._tasks.append(self._fault_leave)
+        else:
+            await leave
+
+    async def _leave_after_hold(self) -> None:
+        m = self.membership
         await asyncio.sleep(FAULT_LEAVE_HOLD_S)
-        dst = (m.stage + 1) % self.membership.run.num_stages
+        dst = (m.stage + 1) % m.run.num_stages
         await m.move_to(dst, "fault injection: leave", 0.0, 0.0)
 
     async def _config_keeper(self, text: str) -> None:
@@ -259,10 +290,12 @@ class Peer:
         out: dict = {"peer_id": None if self.dht is None else self.dht.peer_id, "stage": None if m is None else m.stage}
         if ex is not None:
             out.update(step=ex.step, **ex.counters_dict())
+        out["earlier_stages"] = {} if m is None else m.earlier_stages  # what it did before it moved
         out["partials_fetched"] = 0 if self.partials is None else self.partials.fetches
         stepper = None if m is None or m.runtime is None else m.runtime.stepper
         out["slow_accusation_reads"] = 0 if stepper is None else stepper.slow_accusation_reads
         out["update_timeline"] = {} if stepper is None else stepper.timeline.as_dict()
+        out["lane_calls"] = 0 if self.lane is None or self.lane.server is None else self.lane.server.calls
         return out
 
     async def shutdown(self) -> None:
@@ -271,7 +304,7 @@ class Peer:
         2. wait for the requests in flight (up to the drain timeout);
         3. cancel the background tasks (updates, rebalancing, mates' sums, config keeper);
         4. write a last checkpoint if this peer writes its stage's (queued before the executor stops);
-        5. stop the view's polls, then the gRPC server;
+        5. stop the view's polls, then the lane and the gRPC server;
         6. stop the announcer and store the explicit offline record;
         7. stop the stage's executor and averager, close the channels, stop the DHT last (every
            step above may still use it)."""
@@ -293,6 +326,8 @@ class Peer:
             await m.runtime.checkpoints.write_final()
         if self.view is not None:
             await self.view.stop()
+        if self.lane is not None:
+            await self.lane.stop()
         if self.server is not None:
             await self.server.stop(grace=SERVER_GRACE_S)
         if self.records is not None:

@@ -35,8 +35,9 @@ from swarm.wire.protocol import pb
 
 async def fetch_frozen(
     clients: ClientPool, address: str, run_id: str, stage: int, step: int, params: list[torch.Tensor], timeout_s: float
-) -> tuple[Accumulated, int]:
-    """A mate's frozen sum for update `step` and its accumulator epoch."""
+) -> tuple[Accumulated, int, float]:
+    """A mate's frozen sum for update `step`, its accumulator epoch, and how long the mate held the
+    request until it began averaging the update itself (seconds: a straggler's, not the transfer's)."""
     request = pb.PartialRequest(run_id=run_id, stage=stage, step=step, frozen=True)
     stream = clients.get(address).get_partial_gradient(request, timeout=timeout_s)
     max_bytes = 4 * sum(p.numel() for p in params) + (1 << 20)
@@ -44,7 +45,9 @@ async def fetch_frozen(
     epoch = header.get("epoch")
     if not isinstance(epoch, int):
         raise StateError(f"frozen gradient without an accumulator epoch: {epoch!r}")
-    return decode_partial(header, data, params, step, dtype="float32"), epoch
+    waited = header.get("waited_ms", 0.0)
+    waited_s = float(waited) / 1000 if isinstance(waited, int | float) and 0 <= waited < 1e7 else 0.0
+    return decode_partial(header, data, params, step, dtype="float32"), epoch, waited_s
 
 
 async def average_direct(
@@ -68,9 +71,11 @@ async def average_direct(
     if missing:
         raise AveragingFailed(f"direct averaging for step {agreement.step}: no address for {', '.join(missing)}")
 
+    waits: list[float] = []
+
     async def one(peer_id: str) -> Accumulated:
         try:
-            acc, epoch = await fetch_frozen(
+            acc, epoch, waited_s = await fetch_frozen(
                 clients, addresses[peer_id], run_id, stage, agreement.step, params, timeout_s
             )
         except Exception as e:  # noqa: BLE001 - any failure fails the round
@@ -81,6 +86,7 @@ async def average_direct(
                 f"{acc.samples} samples; the stage agreed on epoch {epochs[peer_id]} with "
                 f"{expected_samples.get(peer_id)}"
             )
+        waits.append(waited_s)
         return acc
 
     fetched = dict(zip(mates, await asyncio.gather(*(one(p) for p in mates)), strict=True))
@@ -93,4 +99,4 @@ async def average_direct(
         for buf, g in zip(total, sums[peer_id] or (), strict=False):
             buf.add_(g)
     mean = [buf.div_(max(1, agreement.samples)).to(p.dtype) for buf, p in zip(total, params, strict=True)]
-    return AveragedGradient(mean, tuple(sorted(epochs)), time.monotonic() - start)
+    return AveragedGradient(mean, tuple(sorted(epochs)), time.monotonic() - start, max(waits, default=0.0))

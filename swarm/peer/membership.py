@@ -89,6 +89,7 @@ class Membership:
         self.last_placement = time.monotonic()  # when this peer last joined or moved
         self.rng = random.Random()
         self.fallbacks: dict[str, int] = {}  # kind -> count: what this peer did that is not the normal path
+        self.earlier_stages: dict[int, dict[str, int]] = {}  # stage -> work counters, once it left it
 
     # ---- what collaborators read ----
 
@@ -122,8 +123,10 @@ class Membership:
         self.serving.fallbacks = dict(self.fallbacks)
         self.events.add(kind, stage=self.stage, **fields)
 
-    def restart_averager(self) -> StageAverager | None:
-        """A new averager process for the current stage (the old one died). On the event loop's
+    def start_averager(self) -> StageAverager | None:
+        """The stage's hivemind averager process, started on its first need (a round of more than
+        --averaging-direct-max members: smaller stages never fork one, and forking while gRPC's
+        threads are busy can hang a peer), or a new one when the old one died. On the event loop's
         (main) thread, as every averager: see swarm.training.averaging."""
         rt = self.runtime
         if rt is None:
@@ -132,16 +135,16 @@ class Membership:
         if old is not None:
             old.shutdown()
         rt.averager = StageAverager(self.dht.dht, self.run.run_id, rt.stage, rt.executor.params, self.cfg.averaging)
-        self.event("averager_restarted")
-        logger.warning("this peer's averager process had died; started a new one")
+        if old is not None:
+            self.event("averager_restarted")
+        logger.log(logging.WARNING if old else logging.INFO, "started an averager process (the old one: %s)", old)
         return rt.averager
 
     def _ledger_path(self, stage: int) -> Path | None:
         if not self.cfg.ledger_dir:
             return None
-        folder = Path(self.cfg.ledger_dir)
-        folder.mkdir(parents=True, exist_ok=True)
-        return folder / f"stage{stage}-{self.peer_id[-12:]}.jsonl"
+        Path(self.cfg.ledger_dir).mkdir(parents=True, exist_ok=True)
+        return Path(self.cfg.ledger_dir) / f"stage{stage}-{self.peer_id[-12:]}.jsonl"
 
     def may_move(self) -> bool:
         """Online, and not just joined or moved."""
@@ -216,8 +219,10 @@ class Membership:
             )
         await self.refresh_view()
         await self._initial_state(rt)
-        # one averager per process, created on this (main) thread: see swarm.training.averaging
-        rt.averager = StageAverager(self.dht.dht, run.run_id, stage, executor.params, cfg.averaging)
+        # one averager per process, created on this (main) thread (swarm.training.averaging), here only
+        # if the stage is too large for direct averaging already (else on its first need)
+        if len(self.live_mates()) + 1 > cfg.averaging.direct_max_members:
+            rt.averager = StageAverager(self.dht.dht, run.run_id, stage, executor.params, cfg.averaging)
         rt.stepper = StepCoordinator(
             executor, rt.averager, self, self.clients, run.run_id, run.global_batch, self._after_update,
             cfg.stall_report_s, direct_max=cfg.averaging.direct_max_members,
@@ -232,9 +237,9 @@ class Membership:
 
     def _after_update(self, step: int) -> None:
         self.serving.notify_step()
-        self.records.refresh_now()
+        self.records.refresh_after_update()
         if self.runtime is not None and self.runtime.checkpoints is not None:
-            self.runtime.checkpoints.after_update(step)
+            self.runtime.checkpoints.after_step(step)
 
     async def leave(self) -> None:
         """Stop serving the current stage: drain, let pending gradients go out, free its resources.
@@ -247,6 +252,8 @@ class Membership:
         await self.drain()
         await loop.run_in_executor(None, self.records.announce, rt.stage, PeerState.OFFLINE)
         await rt.stop()
+        done = self.earlier_stages.setdefault(rt.stage, {})
+        done.update({k: done.get(k, 0) + v for k, v in rt.executor.work_counters().items()})
 
     async def drain(self) -> None:
         """Wait (up to the drain timeout) for the requests in flight to finish."""
@@ -330,7 +337,7 @@ class Membership:
             return False
         loop = asyncio.get_running_loop()
         meta = stage_meta(self.run, rt.stage)
-        found = await loop.run_in_executor(None, rt.checkpoints.store.load_latest, rt.executor.module, meta)
+        found = await loop.run_in_executor(None, rt.checkpoints.load_latest, rt.executor.module, meta)
         if found is None:
             return False
         state, ckpt = found
@@ -384,7 +391,7 @@ class Membership:
             if dropped:
                 self.event("dropped_for_replay", samples=dropped, step=rt.executor.step)
             set_context(step=rt.executor.step)
-            self.serving.notify_step()
+            self._after_update(rt.executor.step)  # Info long polls, the record, a checkpoint if due
             logger.info(
                 "downloaded stage %d state at step %d from %s in %.2f s",
                 rt.stage, state["step"], mate.peer_id[-6:], time.monotonic() - started,

@@ -92,8 +92,9 @@ async def partial_chunks(executor: StageExecutor, step: int, frozen: bool = Fals
         # a mate that agreed a moment before this peer reached its own averaging waits for it, up to
         # FROZEN_WAIT_S, while this peer holds that update frozen (as in an all-reduce, every member
         # takes part: a sum is handed out only while its owner averages it too, or after)
-        # (read here without a hand-off to the compute thread; `frozen_gradient` there decides)
-        acc, deadline = executor.acc, time.monotonic() + FROZEN_WAIT_S
+        # (read here without a hand-off to the compute thread; `frozen_gradient` decides)
+        acc, began = executor.acc, time.monotonic()
+        deadline = began + FROZEN_WAIT_S
         while (
             executor.averaging_step != step
             and acc.frozen is not None
@@ -101,12 +102,15 @@ async def partial_chunks(executor: StageExecutor, step: int, frozen: bool = Fals
             and time.monotonic() < deadline
         ):
             await asyncio.sleep(FROZEN_POLL_S)
-        found = await asyncio.wrap_future(executor.call(lambda: executor.frozen_gradient(step)))
+        # on a pool thread, under the accumulators' lock: no wait for the compute thread's batches,
+        # and the event loop is not held by the copy of a large stage's gradient
+        found = await asyncio.to_thread(executor.frozen_gradient, step)
         if found is None:
             raise PartialUnavailable(f"update {step} is not frozen here (this peer is at step {executor.step})")
         partial, epoch = found
         fields, data = encode_partial(partial)
-        async for chunk in blob_chunks(data, checksum=False, step=step, epoch=epoch, **fields):
+        waited_ms = round(1000 * (time.monotonic() - began), 1)  # for the asker's timeline: a straggler
+        async for chunk in blob_chunks(data, checksum=False, step=step, epoch=epoch, waited_ms=waited_ms, **fields):
             yield chunk
         return
     partial = await asyncio.wrap_future(executor.call(lambda: executor.partial_gradient(step)))

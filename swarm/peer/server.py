@@ -24,6 +24,7 @@ from swarm.core.errors import (
     Overloaded,
     RequestInvalid,
     RequestTooLarge,
+    StageBehind,
     StepClosed,
     StepNotReady,
     SwarmError,
@@ -60,6 +61,7 @@ STATUS_OF_ERROR: dict[type[BaseException], grpc.StatusCode] = {
     WrongTarget: grpc.StatusCode.FAILED_PRECONDITION,
     NotServing: grpc.StatusCode.UNAVAILABLE,
     StepClosed: grpc.StatusCode.ABORTED,
+    StageBehind: grpc.StatusCode.ABORTED,
 }
 
 
@@ -93,29 +95,27 @@ class StageService:
 
     # ---- computing: a request is one part (unary) or several (streamed) ----
 
-    async def _compute(self, kind: str, msg, executor: StageExecutor, schema: StageSchema, targets, parts, acc: dict):
+    async def compute(self, kind: str, msg, executor: StageExecutor, schema: StageSchema, targets, parts, acc: dict):
         """Run each (samples, input, grad_output) part as it comes; yield the encoded output parts.
         Per-request figures (loss, compute time, accumulated step) are collected in `acc`."""
         if msg.reply_codec not in codec.CODEC_LABELS:
             raise WireError(f"unknown reply codec {msg.reply_codec}")
         training = not getattr(msg, "validation", False)
-        ahead = self.limits.max_steps_ahead
-        if training and not 0 <= msg.step <= executor.step + ahead:
-            text = f"the request is for step {msg.step}; this peer takes steps up to {executor.step} + {ahead}"
-            if 0 <= msg.step <= self.serving.mates_step + ahead:
-                raise StepNotReady(text)  # this peer is behind its stage (it just entered it, or was paused)
-            raise RequestInvalid(text)  # ahead of the whole stage: every peer would refuse it
+        if training:
+            self._check_step(int(msg.step), executor.step)
         if self.serving.exact and training and msg.step > executor.step:
             with self.admission.wait_for_step():
                 await self._wait_for_step(executor, int(msg.step))
+        if training and self.serving.before_compute is not None:
+            await self.serving.before_compute(executor.step)
         offset, index = 0, 0
         async for n, x, grad in parts:
             schema.input.check(x, "input", self.limits.max_batch)
             t = None if targets is None else targets[offset : offset + n]
             if kind == "forward":
                 fkey = f"{msg.request_id}#{index}" if acc["streamed"] else msg.request_id
-                future = executor.forward(x, t, validation=msg.validation, tag=int(msg.step), key=fkey)
-                result = await asyncio.wrap_future(future)
+                future = executor.forward(x, t, validation=msg.validation, tag=int(msg.step), key=fkey, inline=True)
+                result = future.result() if future.done() else await asyncio.wrap_future(future)
                 out = result.output
             else:
                 grad = None if schema.is_last else check_grad_output(grad, n)
@@ -152,6 +152,18 @@ class StageService:
             offset += n
             index += 1
 
+    def _check_step(self, step: int, peer_step: int) -> None:
+        """A training request's step must be one this peer takes now (at most max_steps_ahead past its own)."""
+        ahead = self.limits.max_steps_ahead
+        if 0 <= step <= peer_step + ahead:
+            return
+        text = f"the request is for step {step}; this peer takes steps up to {peer_step} + {ahead}"
+        if step < 0:
+            raise RequestInvalid(text)
+        if step <= self.serving.mates_step + ahead:
+            raise StepNotReady(text)  # this peer is behind its stage (it just entered it, or was paused)
+        raise StageBehind(text)  # ahead of the whole stage: it is behind the run, and catches up
+
     async def _wait_for_step(self, executor: StageExecutor, step: int) -> None:
         """Exact mode: the trainer may reach this peer a moment before it has applied the update its
         stage-mate already applied (they apply the same averaged gradient, not at the same instant).
@@ -162,7 +174,8 @@ class StageService:
                 raise StepNotReady(f"peer is at step {executor.step}; the request is for step {step}")
             await asyncio.sleep(0.005)  # the step changes on the compute thread; a poll is enough here
 
-    def _response(self, kind: str, msg, executor: StageExecutor, acc: dict, first):
+    def response(self, kind: str, msg, executor: StageExecutor, acc: dict, first, inline_data: bool | None = None):
+        """The response message; the output's data inline unless streamed (or `inline_data` False)."""
         cls = pb.ForwardResponse if kind == "forward" else pb.BackwardResponse
         response = cls(request_id=msg.request_id, peer_step=executor.step, compute_s=acc.get("compute_s", 0.0))
         if "loss_sum" in acc:
@@ -179,7 +192,7 @@ class StageService:
             field = response.output if kind == "forward" else response.grad_input
             field.dtype, field.codec, field.block_size = first.dtype, first.codec, first.block_size
             field.shape[:] = acc["out_shape"]
-            if not acc["streamed"]:
+            if (not acc["streamed"]) if inline_data is None else inline_data:
                 field.data, field.scales = first.data, first.scales
         return response
 
@@ -210,8 +223,8 @@ class StageService:
             yield x.shape[0], x, grad
 
         acc = {"streamed": False}
-        encoded = [e async for e in self._compute(kind, msg, executor, schema, targets, one_part(), acc)]
-        return self._response(kind, msg, executor, acc, encoded[0] if encoded else None).SerializeToString()
+        encoded = [e async for e in self.compute(kind, msg, executor, schema, targets, one_part(), acc)]
+        return self.response(kind, msg, executor, acc, encoded[0] if encoded else None).SerializeToString()
 
     async def _streamed(self, kind: str, request_iterator, context) -> AsyncIterator[bytes]:
         """The streamed form (see proto/swarm.proto): parts are computed and returned as they arrive."""
@@ -227,12 +240,12 @@ class StageService:
             targets = decode_targets(msg, schema, batch, self.limits)
             acc = {"streamed": True}
             first_out = None
-            async for enc in self._compute(kind, msg, executor, schema, targets, request.parts(), acc):
+            async for enc in self.compute(kind, msg, executor, schema, targets, request.parts(), acc):
                 first_out = first_out or enc
                 yield enc.data
                 if enc.codec == pb.CODEC_INT8_BLOCK:
                     yield enc.scales
-            response = self._response(kind, msg, executor, acc, first_out)
+            response = self.response(kind, msg, executor, acc, first_out)
             context.set_trailing_metadata(
                 (
                     (RESPONSE_KEY, response.SerializeToString()),
@@ -310,7 +323,7 @@ class StageService:
         try:
             request = messages.parse(pb.ContributionsRequest, raw)
             executor, _ = self.serving.check_target(request.run_id, request.stage)
-            held = await asyncio.wrap_future(executor.call(lambda: executor.contributions(int(request.step))))
+            held = executor.contributions(int(request.step))  # a snapshot under its lock, no hand-off
             if not held.frozen and held.applied_step <= request.step and self.serving.on_mate_froze is not None:
                 self.serving.on_mate_froze()
             return contributions_response(self.serving.peer_id, held).SerializeToString()

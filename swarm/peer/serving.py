@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from swarm.core.errors import NotServing, WrongTarget
@@ -49,6 +49,7 @@ class ServingState:
         self.codec: int = pb.CODEC_NONE
         self.started = time.monotonic()
         self.throughput: float = 0.0
+        self.lane_port = 0  # Forward/Backward over plain TCP (swarm.wire.lane); 0: none
         self.in_flight = 0
         # exact mode: a request for step t is computed only once this peer has applied step t - 1
         self.exact = False
@@ -64,6 +65,9 @@ class ServingState:
         # a mate asked what this peer holds for an update it has not frozen: it froze it, so the stage
         # may hold its batch; re-read the mates' counts now rather than at the next Info round
         self.on_mate_froze: Callable[[], None] | None = None
+        # debug only (swarm.core.debug.FaultPlan.in_request): awaited with the executor's step before a
+        # training request is computed
+        self.before_compute: Callable[[int], Awaitable[None]] | None = None
         self._stepped: asyncio.Event | None = None  # set (and replaced) whenever the step changes
 
     def notify_step(self) -> None:
@@ -124,4 +128,5 @@ class ServingState:
             ledger_steps=0 if ex is None else len(ex.ledger),
             fallbacks=json.dumps(self.fallbacks, separators=(",", ":")),
             note=self.note,
+            lane_port=self.lane_port,
         )

@@ -25,7 +25,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from typing import Protocol
 
 from swarm.cluster.view import PeerStatus
@@ -34,6 +33,7 @@ from swarm.core.states import PeerState, UpdateReason
 from swarm.peer.agreement import Agreement, agree, fetch_contributions
 from swarm.peer.direct import average_direct
 from swarm.peer.executor import Accumulated, StageExecutor
+from swarm.peer.timeline import UpdateTimeline
 from swarm.training.averaging import AveragingFailed, StageAverager
 from swarm.wire.pool import ClientPool
 
@@ -47,39 +47,6 @@ CONTRIBUTIONS_TIMEOUT_S = 5.0
 # coordinator or a peer just killed, a cut link) answers a get only after hivemind's 3 s RPC timeout,
 # which held up every update of every stage for as long as the dead node stayed in the routes
 ACCUSATIONS_WAIT_S = 0.5
-
-
-@dataclass
-class UpdateTimeline:
-    """Where a stage's step time goes, summed over the updates this peer applied: from the previous
-    update to this one (`interval_s`), of which the update itself took freezing (and reading the
-    accusations), agreeing with the mates on what it holds, the all-reduce, and applying it; the
-    rest of the interval is compute and waiting for samples. Failed rounds' time is counted apart."""
-
-    updates: int = 0
-    interval_s: float = 0.0  # summed over updates after the first (each needs a previous one)
-    intervals: int = 0
-    freeze_s: float = 0.0
-    agree_s: float = 0.0
-    allreduce_s: float = 0.0
-    apply_s: float = 0.0
-    failed_round_s: float = 0.0
-    last_applied: float | None = None
-
-    def record(self, start: float, frozen: float, agreed: float, averaged: float, applied: float) -> None:
-        self.updates += 1
-        self.freeze_s += frozen - start
-        self.agree_s += agreed - frozen
-        self.allreduce_s += averaged - agreed
-        self.apply_s += applied - averaged
-        if self.last_applied is not None:
-            self.interval_s += applied - self.last_applied
-            self.intervals += 1
-        self.last_applied = applied
-
-    def as_dict(self) -> dict[str, float | int]:
-        out = {k: v for k, v in asdict(self).items() if k != "last_applied"}
-        return {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
 
 
 def fingerprints_agree(a: tuple[float, float], b: tuple[float, float], tol: float = FINGERPRINT_TOLERANCE) -> bool:
@@ -109,7 +76,7 @@ class StageMates(Protocol):
 
     def event(self, kind: str, **fields: object) -> None: ...
 
-    def restart_averager(self) -> StageAverager | None: ...
+    def start_averager(self) -> StageAverager | None: ...
 
 
 class StepCoordinator:
@@ -139,6 +106,8 @@ class StepCoordinator:
         self.last_averaging_s = 0.0
         self.failed_rounds = 0
         self.timeline = UpdateTimeline()
+        self._agree_waited = 0.0  # of the last agreement: before the round that found every mate frozen
+        self._straggler_s = 0.0  # of the last averaging: a mate not averaging the update yet
         self._last_total: tuple[int, int] = (-1, -1)
         self._last_change = time.monotonic()
         self._stall_reported = False
@@ -220,6 +189,7 @@ class StepCoordinator:
             self.timeline.failed_round_s += time.monotonic() - start
             return
         t_agreed = time.monotonic()
+        self._straggler_s = 0.0
         averaged = await self._average(frozen, agreement)
         if averaged is None:
             await asyncio.wrap_future(ex.call(ex.unfreeze))
@@ -230,7 +200,9 @@ class StepCoordinator:
         norm = await asyncio.wrap_future(
             ex.call(lambda: ex.apply_mean_gradient(averaged, frozen.step, members, agreement.union))
         )
-        self.timeline.record(start, t_frozen, t_agreed, t_averaged, time.monotonic())
+        self.timeline.record(
+            start, t_frozen, t_agreed, t_averaged, time.monotonic(), self._agree_waited, self._straggler_s
+        )
         self._prefetch_accusations()
         set_context(step=ex.step)
         logger.info(
@@ -275,9 +247,11 @@ class StepCoordinator:
         """The frozen lists of this peer and its live mates for the frozen update (waiting briefly
         for mates that have not frozen it yet); None when a mate already applied it."""
         ex = self.executor
-        deadline = time.monotonic() + AGREE_WAIT_S
+        began = time.monotonic()
+        deadline = began + AGREE_WAIT_S
         while True:
-            own = await asyncio.wrap_future(ex.call(lambda: ex.contributions(frozen.step)))
+            self._agree_waited = time.monotonic() - began  # before this round: waiting for mates to freeze
+            own = ex.contributions(frozen.step)  # a snapshot under its lock: no wait for the compute thread
             lists = {self.peer_id: own}
             for mate, snap in zip(*await self._mates_lists(frozen.step), strict=True):
                 if snap is not None:
@@ -333,7 +307,7 @@ class StepCoordinator:
         ex = self.executor
         ratio = agreement.outliers.get(self.peer_id)
         if ratio is not None:
-            dropped = await asyncio.wrap_future(ex.call(ex.drop_unapplied))
+            dropped = await asyncio.wrap_future(ex.call(lambda: ex.drop_unapplied(outlier_step=agreement.step)))
             logger.warning(
                 "update %d: this peer's gradient norm is %.1fx its mates' median: left out of the update, its %d "
                 "unapplied samples dropped for the trainers to replay on its mates",
@@ -352,7 +326,7 @@ class StepCoordinator:
         """The mean gradient over the agreed members, or None if the all-reduce failed (the caller
         unfreezes and the stage tries again: never applied with a part of the stage's gradients)."""
         members = [p for p, _ in agreement.members]
-        if len(members) == 1 or (self.averager is None and len(members) > self.direct_max):
+        if len(members) == 1:
             return [g / max(1, agreement.samples) for g in frozen.grads]
         loop = asyncio.get_running_loop()
         mates = [p for p in members if p != self.peer_id]
@@ -368,6 +342,10 @@ class StepCoordinator:
                 finally:
                     self.executor.averaging_step = None
             else:
+                if self.averager is None:  # its first round of more than direct_max members
+                    self.averager = self.mates.start_averager()
+                if self.averager is None:
+                    raise AveragingFailed(f"averaging for step {frozen.step}: this peer is leaving its stage")
                 avg = await loop.run_in_executor(
                     None, self.averager.average, frozen.grads, frozen.samples, frozen.step, mates
                 )
@@ -376,9 +354,10 @@ class StepCoordinator:
             logger.warning("%s; the stage tries again", e)
             self.mates.event("averaging_failed", step=frozen.step, members=len(members))
             if self.averager is not None and not self.averager.alive:  # its process died: a new one
-                self.averager = self.mates.restart_averager()
+                self.averager = self.mates.start_averager()
             await self.mates.refresh_view()  # the members may have disagreed on who is in the stage
             return None
         self.executor.counters.averaging_rounds += 1
         self.last_averaging_s = avg.seconds
+        self._straggler_s = avg.straggler_s
         return avg.mean

@@ -45,3 +45,6 @@ class TrainerConfig:
         None, "relative difference two honest answers may show (default: by codec and sync mode)"
     )
     stream_threshold_kb: int = setting(2048, "requests with more tensor data than this many KiB are streamed")
+    lane: bool = setting(
+        True, "send Forward/Backward over a peer's lane (plain TCP) when it offers one (open swarms); else gRPC"
+    )

@@ -33,6 +33,7 @@ from swarm.dht.node import SwarmDHT
 from swarm.dht.records import Accusation, AccusationRecord
 from swarm.policy.wiring import PeerLoad
 from swarm.trainer.router import MicrobatchFailed, MicrobatchRejected, Router, StageUnavailable
+from swarm.trainer.verification import AccusationVerifier, Probe, answer, relative_error
 from swarm.wire.pool import ClientPool
 from swarm.wire.protocol import pb
 from swarm.wire.tensors import WireTensor
@@ -46,8 +47,10 @@ ASYNC_TOLERANCE = 0.1
 ACCUSATION_TTL_S = 600.0
 REPUBLISH_S = 60.0
 VERIFY_PERIOD_S = 0.25  # how often a trainer tries to verify the accusations it has not judged yet
-VERIFY_PROBES = 2  # agreeing answers from the accused that reject an accusation
-CHECK_TIMEOUT_S = 30.0
+# how often a trainer reads the accusations (one DHT key): it stops sending a liar work once it reads
+# one, and the 2 s of the full DHT refresh let a fast stage's liar spoil 3.8% of validation loss
+ACCUSATIONS_PERIOD_S = 0.5
+SETTLE_S = 10.0  # how long a trainer that is done goes on judging the accusations it has read
 # a mismatch between answers computed at different steps is asked again, at once, up to this many
 # times this far apart: a peer catching up with its mates (a failed all-reduce, a download) takes ~1 s
 STEP_ROUNDS = 6
@@ -58,30 +61,10 @@ def default_tolerance(codec_id: int, exact: bool) -> float:
     return CODEC_TOLERANCE.get(codec_id, 0.1) + (0.0 if exact else ASYNC_TOLERANCE)
 
 
-def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    """||a - b|| / max(||a||, ||b||): 0 for equal answers, about 1.4 for unrelated ones."""
-    if a.shape != b.shape:
-        return float("inf")
-    a, b = a.double(), b.double()
-    scale = max(float(a.norm()), float(b.norm()), 1e-12)
-    return float((a - b).norm()) / scale
-
-
 def digest(t: torch.Tensor | None) -> str:
     if t is None:
         return ""
     return hashlib.sha256(t.detach().contiguous().cpu().numpy().tobytes()).hexdigest()[:32]
-
-
-def answer(kind: str, response, output: WireTensor | None) -> torch.Tensor | None:
-    """What is compared: the output (forward) or input gradient (backward), with the loss of a last
-    stage's backward appended."""
-    parts = []
-    if output is not None:
-        parts.append(output.decode().float().reshape(-1))
-    if kind == "backward" and response is not None and response.loss:
-        parts.append(torch.tensor([float(response.loss)]))
-    return torch.cat(parts) if parts else None
 
 
 @dataclass
@@ -107,9 +90,7 @@ class HonestyStats:
 
     def summary(self) -> dict:
         return {
-            "spot_checks": self.spot_checks,
-            "spot_check_mismatches": self.mismatches,
-            "spot_checks_disputed": self.disputed,
+            **self.progress(),
             "accusations_confirmed": self.accusations_confirmed,
             "accusations_rejected": self.accusations_rejected,
             "liars_banned": self.banned,
@@ -118,17 +99,7 @@ class HonestyStats:
         }
 
 
-@dataclass
-class Probe:
-    """A request this trainer sent to a stage, kept to verify others' accusations with."""
-
-    kind: str
-    request: object
-    tensors: dict[str, WireTensor]
-    samples: int
-
-
-class Honesty:
+class Honesty(AccusationVerifier):
     def __init__(
         self,
         view: SwarmView,
@@ -150,6 +121,9 @@ class Honesty:
         self.verified: set[str] = set()  # accused peers this trainer has judged (banned or rejected)
         self.probes: dict[int, Probe] = {}
         self._agreeing: collections.Counter[str] = collections.Counter()  # probes the accused passed
+        # verification answers: (accused, probe) -> step -> peer id -> answer (swarm: `verify`)
+        self._answers: dict[tuple[str, int], dict[int, dict[str, torch.Tensor]]] = {}
+        self._publish_soon = False
         self._checks = 0
 
     # ---- spot checks ----
@@ -314,69 +288,6 @@ class Honesty:
 
     # ---- verifying others' accusations ----
 
-    async def verify(self, peer_id: str, accusation: Accusation) -> None:
-        """Send a remembered request of the accused's stage to it and to two mates at the same step,
-        at once: ban it if it disagrees with both while they agree; reject the accusation if it
-        agrees VERIFY_PROBES times. The accused takes no part in its stage's updates (it follows them
-        by downloading a mate's state), so it is at its mates' step only from its download to their
-        next update: the probe is for that step (computed at the parameters of that step, no
-        look-ahead), and answers computed at different steps prove nothing (tried again later)."""
-        probe = self.probes.get(accusation.stage)
-        accused = self.view.peers.get(peer_id)
-        if probe is None or accused is None or not self.view.is_live(accused) or not accused.last_info_ok:
-            return  # nothing to verify with yet, or it is gone (no work goes to it either way)
-        step = accused.step
-        mates = [
-            m
-            for m in self.view.stage_peers(accusation.stage)
-            if m.peer_id not in self.view.accused and m.last_info_ok and m.step == step
-        ]
-        if len(mates) < 2:
-            return  # not at its mates' step now (or too few mates to judge): later
-        chosen = [accused, *self.rng.sample(mates, 2)]
-        answers = await asyncio.gather(*(self._probe(p.load.address, probe, step) for p in chosen))
-        if any(a is None for a in answers):
-            return
-        if len({peer_step for _, peer_step in answers}) > 1:
-            logger.debug("verifying %s: the answers are of different steps; later", peer_id[-6:])
-            return
-        theirs, first, second = (a for a, _ in answers)
-        errors = [relative_error(theirs, first), relative_error(theirs, second)]
-        witnesses = [m.peer_id for m in chosen[1:]]
-        mates_agree = relative_error(first, second) <= self.tolerance
-        if mates_agree and min(errors) > self.tolerance:
-            self.stats.accusations_confirmed += 1
-            confirmed = accusation.copy(update={"error": min(min(errors), 1e6), "time": time.time()})
-            confirmed.witnesses = witnesses
-            self._banned(peer_id, "confirmed", confirmed)
-            self.mine.append(confirmed)
-            await self.publish()
-            self._published(peer_id, accusation.stage)
-        elif max(errors) <= self.tolerance:
-            self._agreeing[peer_id] += 1
-            if self._agreeing[peer_id] >= VERIFY_PROBES:
-                self.verified.add(peer_id)
-                self.stats.accusations_rejected += 1
-                logger.warning(
-                    "could not confirm the accusation of peer %s (stage %d): its answers agree with its mates' "
-                    "(a false accusation, or it lies only sometimes); it still gets no work",
-                    peer_id[-6:], accusation.stage,
-                )  # fmt: skip
-
-    async def _probe(self, address: str, probe: Probe, step: int | None = None) -> tuple[torch.Tensor, int] | None:
-        """The answer of the peer at `address` to `probe` (for `step`, if given), and the step it
-        was at."""
-        request = self._check_request(probe.kind, probe.request)
-        if step is not None:
-            request.step = step
-        try:
-            response, output = await self.clients.get(address).call(probe.kind, request, probe.tensors, CHECK_TIMEOUT_S)
-        except Exception as e:  # noqa: BLE001 - try again later
-            logger.info("verifying an accusation: %s did not answer (%s)", address, e)
-            return None
-        got = answer(probe.kind, response, output)
-        return None if got is None else (got, int(response.peer_step))
-
     async def run(self) -> None:
         last_publish = time.monotonic()
         while True:
@@ -387,6 +298,32 @@ class Honesty:
                         await self.verify(peer_id, accusation)
                     except Exception:  # noqa: BLE001 - verification must not stop training
                         logger.exception("verifying the accusation of %s failed", peer_id[-6:])
+            if self._publish_soon:  # a confirmed accusation goes out at once
+                self._publish_soon = False
+                last_publish = time.monotonic()
+                await self.publish()
             if time.monotonic() - last_publish > REPUBLISH_S:
                 last_publish = time.monotonic()
                 await self.publish()
+
+    async def settle(self, timeout_s: float = SETTLE_S) -> None:
+        """Before the trainer leaves: judge the accusations it read but has not judged yet, for at
+        most `timeout_s`, and publish what it confirmed. An accusation read a moment before the last
+        step (a fast run) was otherwise never verified: no work went to the accused, but this
+        trainer neither banned it nor said so to the others."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            tried = False
+            for peer_id, accusation in [(p, a) for p, a in self.view.accused.items() if p not in self.verified]:
+                try:
+                    left = deadline - time.monotonic()
+                    tried = await asyncio.wait_for(self.verify(peer_id, accusation), max(left, 0.01)) or tried
+                except TimeoutError:
+                    break
+                except Exception:  # noqa: BLE001 - leaving must not fail on a verification
+                    logger.exception("verifying the accusation of %s before leaving failed", peer_id[-6:])
+            if not tried:
+                break  # nothing pending, or nothing to probe with
+        if self._publish_soon:
+            self._publish_soon = False
+            await self.publish()

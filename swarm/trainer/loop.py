@@ -34,7 +34,7 @@ from swarm.policy.ledger import contribution_id, samples_digest
 from swarm.policy.pacing import StepPacer
 from swarm.policy.wiring import Wiring
 from swarm.trainer.config import TrainerConfig
-from swarm.trainer.honesty import Honesty, default_tolerance
+from swarm.trainer.honesty import ACCUSATIONS_PERIOD_S, SETTLE_S, Honesty, default_tolerance
 from swarm.trainer.microbatch import MAX_REJECTIONS, Microbatch
 from swarm.trainer.replay import Replayer
 from swarm.trainer.report import Reporter, Stats
@@ -64,7 +64,7 @@ class Trainer:
         self.rng = random.Random(cfg.seed * 7919 + cfg.trainer_index)
         self.stats = Stats()
         self.reporter = Reporter(self.stats, cfg.trainer_index, cfg.steps, cfg.json_progress)
-        self.clients = ClientPool(stream_threshold=cfg.stream_threshold_kb << 10)
+        self.clients = ClientPool(stream_threshold=cfg.stream_threshold_kb << 10, lane=cfg.lane)
         # stable across restarts: a restarted trainer's microbatches have the same contribution ids
         self.trainer_id = f"t{cfg.trainer_index}"
         self.in_flight = 0
@@ -116,7 +116,7 @@ class Trainer:
         if cfg.sample_log:
             self._sample_log = open(cfg.sample_log.replace("{trainer}", str(cfg.trainer_index)), "a")  # noqa: SIM115
         self.view = SwarmView(self.dht, run.num_stages, self.clients)
-        self.view.start()
+        self.view.start(accusations_period_s=ACCUSATIONS_PERIOD_S)
         self.router = Router(cfg, self.view, self.clients, Wiring(self.rng), self.stats, run.num_stages)
         self.replayer = Replayer(self.view, self.router, self.clients, run.run_id, self.stats, self.progress)
         self._background.append(asyncio.create_task(self.replayer.run()))
@@ -377,8 +377,8 @@ class Trainer:
             await self._train(self.cfg.steps)
             train_s = time.monotonic() - self.reporter.t_start
             val_loss = await self._final_validation()
-            steps = self.view.global_step() or 0
-            summary = self.reporter.summary(steps, time.monotonic() - t0, train_s, val_loss)
+            await self.honesty.settle(0.0 if self.stop_requested.is_set() else SETTLE_S)  # unjudged accusations
+            summary = self.reporter.summary(self.view.global_step() or 0, time.monotonic() - t0, train_s, val_loss)
             summary["stopped_early"] = self.stop_requested.is_set()
             summary["stage_fallbacks"] = fallback_totals(self.view.peers.values())
             summary.update(self.honesty.stats.summary())

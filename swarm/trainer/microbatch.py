@@ -3,6 +3,7 @@ holds for each stage until the peer that accumulated them has applied that step.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -52,3 +53,4 @@ class HeldBackward:
     request: pb.BackwardRequest
     tensors: dict[str, WireTensor]
     replays: int = 0
+    answered: float = field(default_factory=time.monotonic)  # when the holder's answer arrived

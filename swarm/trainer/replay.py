@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from swarm.cluster.ledger import fetch_ledger
 from swarm.cluster.view import SwarmView
@@ -21,6 +22,8 @@ from swarm.wire.protocol import pb
 logger = logging.getLogger(__name__)
 
 REPLAY_CHECK_S = 0.2
+MIN_REPLAY_GAP_S = 1.0  # a record is not judged lost within this long of its holder's answer
+UNKNOWN_HOLDER_GRACE_S = 5.0  # a holder this view has not discovered yet counts as lost after this long
 LEDGER_CHECK_S = 0.5
 LEDGER_TIMEOUT_S = 5.0
 
@@ -89,13 +92,22 @@ class Replayer:
 
     def lost(self, rec: HeldBackward) -> bool:
         """The gradient's holder is gone, unreachable, moved to another stage, dropped it, or was
-        accused of lying (its mates leave it out of their updates)."""
+        accused of lying (its mates leave it out of their updates). "Dropped it" needs an Info asked
+        after the holder's answer: an older one may still show the epoch before a drop that came
+        before the answer, and replaying on such a view put the same gradient on two peers."""
         if rec.holder in self.view.accused:
             return True
+        since_answer = time.monotonic() - rec.answered
+        if since_answer < MIN_REPLAY_GAP_S:
+            return False  # just answered (or just replayed): nothing this view says can be newer yet
         status = self.view.peers.get(rec.holder)
-        if status is None or status.stage != rec.stage or not self.view.is_live(status):
+        if status is None:
+            # a holder that a duplicate answer named may not be in this view yet (a peer that just
+            # joined): replaying at once looped, a replay every 0.2 s, each answered "already held"
+            return since_answer > UNKNOWN_HOLDER_GRACE_S
+        if status.stage != rec.stage or not self.view.is_live(status):
             return True
-        return status.last_info_ok > 0 and status.epoch != rec.epoch
+        return status.last_info_ok > 0 and status.info_asked > rec.answered and status.epoch != rec.epoch
 
     async def replay(self, rec: HeldBackward) -> None:
         rec.replays += 1
@@ -111,7 +123,7 @@ class Replayer:
             rec.replays -= 1
             return
         rec.holder, rec.epoch = _holder(response, peer.peer_id)
-        rec.accumulated_step = int(response.accumulated_step)
+        rec.accumulated_step, rec.answered = int(response.accumulated_step), time.monotonic()
         self.stats.replays += 1
         where = "already held by " if response.duplicate else "on "
         logger.info("replayed %s's gradient on stage %d: %s%s", rec.mb.cid, rec.stage, where, rec.holder[-6:])

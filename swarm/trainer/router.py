@@ -6,8 +6,10 @@ What a peer's gRPC status means to the trainer:
   it too (`MicrobatchRejected`); but a RESOURCE_EXHAUSTED marked retryable (the peer is past one of
   its bounds: queue, streams, requests per client) is tried again in a moment, no ban.
 - FAILED_PRECONDITION: the peer serves another stage or run now (it moved): choose another, no ban.
-- ABORTED: the stage is agreeing on (and averaging) the update this backward is for: try again in a
-  moment (the update may be unfrozen, or the request turn out to be a duplicate), no ban.
+- ABORTED: the stage is agreeing on (and averaging) the update this backward is for, or the whole
+  stage is behind the request's step (restored from an older checkpoint; it catches up with the
+  replays): try again in a moment (the update may be unfrozen, or the request turn out to be a
+  duplicate), no ban; for up to the stage wait, then the call fails (and the microbatch runs again).
 - anything else (UNAVAILABLE: down, leaving its stage, shutting down; DEADLINE_EXCEEDED): ban the
   peer with a growing back-off and retry on another one.
 """
@@ -148,6 +150,7 @@ class Router:
         retry_limit = self.cfg.max_retries if retry_limit == -1 else retry_limit
         exclude = set(exclude or ())
         attempts = 0
+        soon_deadline = None
         while True:
             peer = await self._choose(stage, samples, min_step, exclude, prefer)
             timeout = self.cfg.min_deadline_s + self.cfg.deadline_factor * peer.expected_finish(samples)
@@ -158,6 +161,13 @@ class Router:
                 response, output = await self.clients.get(peer.address).call(kind, request, tensors, timeout)
             except grpc.aio.AioRpcError as e:
                 if self._on_error(stage, peer, e):
+                    # "not yet" (the stage is averaging, overloaded or behind the run) is retried
+                    # without a ban, for up to the stage wait when the call may give up
+                    soon_deadline = soon_deadline or time.monotonic() + self.cfg.stage_wait_s
+                    if retry_limit is not None and time.monotonic() > soon_deadline:
+                        raise MicrobatchFailed(
+                            f"stage {stage} answered 'not yet' for {self.cfg.stage_wait_s:.0f} s: {e.details()}"
+                        ) from None
                     await asyncio.sleep(RETRY_SOON_S)
                     continue
                 exclude.add(peer.peer_id)

@@ -173,6 +173,7 @@ class AveragedGradient:
     mean: list[torch.Tensor]
     members: tuple[str, ...]  # peer ids whose gradients the mean holds
     seconds: float
+    straggler_s: float = 0.0  # of `seconds`: waiting for a mate to begin averaging (direct averaging)
 
 
 def round_id(prefix: str, step: int, members: list[str]) -> bytes:

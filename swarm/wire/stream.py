@@ -23,25 +23,32 @@ STREAMED_FIELDS: dict[type, tuple[str, ...]] = {
 OUTPUT_FIELD: dict[type, str] = {pb.ForwardResponse: "output", pb.BackwardResponse: "grad_input"}
 
 
-def request_messages(header: Message, tensors: dict[str, WireTensor]):
-    """The raw messages of a streamed request: header chunk, then each part's buffers in order."""
+def request_buffers(header: Message, tensors: dict[str, WireTensor], counts: list[int] | None = None) -> list:
+    """The streamed form's buffers (header chunk, then each part's data and scales in order), in parts
+    of `counts` samples (default: the canonical split), without copying the tensors' data."""
     names = [n for n in STREAMED_FIELDS[type(header)] if n in tensors]
-    per_sample = max(sample_bytes(t.dtype, t.shape, t.codec) for t in tensors.values())
-    counts = split_samples(tensors[names[0]].samples, per_sample)
+    if counts is None:
+        per_sample = max(sample_bytes(t.dtype, t.shape, t.codec) for t in tensors.values())
+        counts = split_samples(tensors[names[0]].samples, per_sample)
     split = {n: tensors[n].resplit(counts) for n in names}
     for n in names:
         t, field = split[n], getattr(header, n)
         field.dtype, field.codec, field.block_size = t.dtype, t.codec, t.block_size
         field.shape[:] = t.shape
         field.data, field.scales = b"", b""
-    messages = [pb.Chunk(header=header.SerializeToString(), parts=counts).SerializeToString()]
+    buffers = [pb.Chunk(header=header.SerializeToString(), parts=counts).SerializeToString()]
     for i in range(len(counts)):
         for n in names:
             part = split[n].parts[i]
-            messages.append(part.data if isinstance(part.data, bytes) else bytes(part.data))
+            buffers.append(part.data)
             if split[n].codec == pb.CODEC_INT8_BLOCK:
-                messages.append(part.scales if isinstance(part.scales, bytes) else bytes(part.scales))
-    return messages
+                buffers.append(part.scales)
+    return buffers
+
+
+def request_messages(header: Message, tensors: dict[str, WireTensor]) -> list[bytes]:
+    """The raw messages of a streamed gRPC request (see `request_buffers`)."""
+    return [b if isinstance(b, bytes) else bytes(b) for b in request_buffers(header, tensors)]
 
 
 def assemble_response(response_cls: type, raw_parts: list[bytes], trailing: dict) -> tuple[Message, WireTensor | None]:

@@ -2,8 +2,8 @@
 
 Cases: per handler, requests built near the stage's schema (right or wrong run, stage, step, batch,
 sequence length, dtype, codec, NaN, token ids out of range, targets and output gradients that do or
-do not match), headers that lie (tests/fuzz/strategies.py), streamed requests whose chunk list is cut,
-repeated, reordered or padded, byte mutations of all of these, and plain random bytes.
+do not match), headers that lie (tests/fuzz/strategies.py), streamed requests (over gRPC and in a lane
+frame) whose chunk list is cut, repeated, reordered or padded, byte mutations of all of these, and plain random bytes.
 
 Contract: the handler answers, or aborts with INVALID_ARGUMENT, RESOURCE_EXHAUSTED,
 FAILED_PRECONDITION, UNAVAILABLE or ABORTED; never INTERNAL, never an exception, never past
@@ -38,6 +38,7 @@ from tests.fuzz.harness import ContractViolation, Target, signature_of
 from tests.fuzz.service import (
     ALLOWED_CODES,
     BIDI,
+    LANE,
     LEDGER_STEPS,
     LIMITS,
     RUN_ID,
@@ -215,7 +216,7 @@ def _blob_request(k: int, method: str) -> st.SearchStrategy[bytes]:
 
 
 def payloads(k: int, method: str) -> st.SearchStrategy:
-    if method in BIDI:
+    if method in BIDI or method in LANE:
         return mostly(stream_requests(k, method), st.lists(st.binary(max_size=64), max_size=5))
     if method == "info":
         return st.binary(max_size=32)
@@ -226,7 +227,7 @@ def payloads(k: int, method: str) -> st.SearchStrategy:
 
 
 def handler_cases() -> st.SearchStrategy:
-    methods = ("info", "forward", "backward", "forward_stream", "backward_stream")
+    methods = ("info", "forward", "backward", "forward_stream", "backward_stream", "forward_lane", "backward_lane")
     methods += ("get_state", "get_partial_gradient", "get_contributions", "get_ledger")
     return st.tuples(st.integers(0, STAGES - 1), st.sampled_from(methods)).flatmap(
         lambda km: payloads(*km).map(lambda p: (km[0], km[1], p))
@@ -275,9 +276,9 @@ def _check_answer(k: int, method: str, payload, out: list[bytes], context) -> No
         field = response.output if method == "forward" else response.grad_input
         if field.data:
             codec.decode(field, LIMITS.max_numel)
-    elif method in BIDI:
+    elif method in BIDI or method in LANE:
         expect(context.trailing is not None and stream.RESPONSE_KEY in context.trailing, "stream answered, no trailer")
-        cls = pb.ForwardResponse if method == "forward_stream" else pb.BackwardResponse
+        cls = pb.ForwardResponse if method.startswith("forward") else pb.BackwardResponse
         _, wire = stream.assemble_response(cls, out, context.trailing)
         if wire is not None:
             wire.decode(LIMITS.max_numel)

@@ -5,7 +5,9 @@ updates for GetLedger to serve.
 
 grpc.aio's servicer context cannot be built outside a server: `FakeContext.abort` raises `Aborted`
 with the status code, as the real one raises after sending the status. Handlers are called directly
-with the raw request bytes (unary, server-streamed) or an async iterator of raw chunks (bidi).
+with the raw request bytes (unary, server-streamed) or an async iterator of raw chunks (bidi); the
+lane's handler with the chunks as one frame's segments (its status as `Aborted`, its response chunk
+as the trailing metadata a stream would carry).
 """
 
 from __future__ import annotations
@@ -20,12 +22,14 @@ import torch
 
 from swarm.core.states import PeerState
 from swarm.peer.executor import StageExecutor
+from swarm.peer.lane import LaneService
 from swarm.peer.server import StageService
 from swarm.peer.serving import Limits, ServingState
 from swarm.policy.ledger import Held, LedgerEntry
 from swarm.training.config import OptimConfig
 from swarm.training.models import build_stage
-from swarm.wire import codec
+from swarm.wire import codec, stream
+from swarm.wire.lane import STREAMED
 from swarm.wire.protocol import pb
 
 SPEC = {"kind": "gpt", "vocab_size": 64, "seq_len": 8, "d_model": 16, "n_layers": 3, "n_heads": 2, "d_ff": 32}
@@ -38,7 +42,9 @@ CALL_TIMEOUT_S = 10.0
 UNARY = ("info", "forward", "backward", "get_contributions")
 SERVER_STREAMED = ("get_state", "get_partial_gradient", "get_ledger")
 BIDI = ("forward_stream", "backward_stream")
-METHODS = UNARY + SERVER_STREAMED + BIDI
+LANE = ("forward_lane", "backward_lane")  # the same chunks in one lane frame (swarm.peer.lane)
+METHODS = UNARY + SERVER_STREAMED + BIDI + LANE
+STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 ALLOWED_CODES = frozenset(
     {
         grpc.StatusCode.INVALID_ARGUMENT,
@@ -138,7 +144,19 @@ class FuzzService:
             assert stage.serving.in_flight == 0, f"stage {k}: {stage.serving.in_flight} requests still in flight"
 
 
+async def _invoke_lane(service: StageService, method: str, payload, context: FakeContext) -> list[bytes]:
+    kind = method.split("_")[0]
+    status, segments, _ = await LaneService(service).answer(kind, list(payload), STREAMED, context.peer())
+    if status:
+        raise Aborted(STATUS_CODES.get(status, grpc.StatusCode.UNKNOWN), bytes(segments[0]).decode())
+    head = pb.Chunk.FromString(bytes(segments[0]))
+    context.trailing = {stream.RESPONSE_KEY: head.header, stream.PARTS_KEY: ",".join(map(str, head.parts))}
+    return [bytes(s) for s in segments[1:]]
+
+
 async def _invoke(service: StageService, method: str, payload, context: FakeContext) -> list[bytes]:
+    if method in LANE:
+        return await _invoke_lane(service, method, payload, context)
     handler = getattr(service, method)
     if method in UNARY:
         return [await handler(payload, context)]

@@ -36,7 +36,9 @@ def positive(value) -> bool:
 @pytest.mark.timeout(300)
 def test_bench_wire_quick():
     out = run_script("bench_wire.py", "--mib", "2")
-    for key in ("ratio_vs_raw_socket", "p50_small_ms", "p99_small_ms", "grpc_round_trip_ms", "raw_round_trip_ms"):
+    keys = ("ratio_vs_raw_socket", "p50_small_ms", "p99_small_ms", "lane_round_trip_ms", "grpc_round_trip_ms")
+    keys += ("raw_round_trip_ms", "grpc_ratio_vs_raw_socket", "grpc_p50_small_ms")
+    for key in (*keys, "bare_grpc_round_trip_ms", "bare_grpc_ratio_vs_raw_socket", "bare_grpc_p50_small_ms"):
         assert positive(out[key]), (key, out[key])
     assert out["p99_small_ms"] >= out["p50_small_ms"]
 

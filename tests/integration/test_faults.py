@@ -1,6 +1,7 @@
 """Real failures during training: SIGKILL and SIGSTOP (then SIGCONT) of a busy peer. Training goes
 on, and the stages' ledgers show every sample applied exactly once at every stage."""
 
+import re
 import signal
 import time
 
@@ -18,11 +19,12 @@ def busiest_peer(swarm, stage: int):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sigkill_of_a_busy_peer_costs_retries_not_the_run(make_swarm, tmp_path):
-    # every call streamed part by part, so that the streamed path meets a real failure too
+    # every call streamed part by part over gRPC, so that the streamed gRPC path meets a real failure
+    # too (the SIGSTOP test below goes over the lane)
     swarm = make_swarm(stages=3, peers_per_stage=2, trainers=1, run_args=run_args())
     swarm.start()
     logs = str(tmp_path / "samples-{trainer}.jsonl")
-    progress = start_training(swarm, 24, ["--stream-threshold-kb", "0", "--sample-log", logs])
+    progress = start_training(swarm, 24, ["--stream-threshold-kb", "0", "--no-lane", "--sample-log", logs])
     progress.wait_step(6, timeout=120)
     victim = busiest_peer(swarm, stage=1)
     victim.send_signal(signal.SIGKILL)
@@ -37,19 +39,34 @@ def test_sigkill_of_a_busy_peer_costs_retries_not_the_run(make_swarm, tmp_path):
     assert report.through_step >= 20
 
 
+def stopped(proc) -> bool:
+    """The process is stopped (SIGSTOP): its state in /proc is T."""
+    with open(f"/proc/{proc.pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sigstop_then_sigcont_the_peer_catches_up(make_swarm, tmp_path):
     swarm = make_swarm(stages=3, peers_per_stage=2, trainers=1, run_args=run_args())
-    swarm.start()
+    swarm.start_coordinator()
+    # the victim stops itself (SIGSTOP) inside the first training request it serves at step 5 or later,
+    # so that a call is in flight when it stops: the trainer waits for its deadline, then retries
+    fault = ["--debug-fail-at-step", "5", "--debug-fail-mode", "stop", "--debug-fail-in-request"]
+    procs = [
+        swarm.start_peer(stage, fault if stage == 1 and i == 0 else None, wait=False)
+        for stage in range(3)
+        for i in range(2)
+    ]
+    for proc in procs:
+        proc.wait_ready(120)
+    victim = procs[2]
+    mate = procs[3]
     logs = str(tmp_path / "samples-{trainer}.jsonl")
-    progress = start_training(swarm, 30, ["--min-deadline", "2", "--sample-log", logs])
-    progress.wait_step(5, timeout=120)
-    victim = busiest_peer(swarm, stage=1)
-    mate = next(p for p in swarm.peers if p.ready["stage"] == 1 and p is not victim)
-    stopped_at = info(victim.ready["address"]).step
+    start_training(swarm, 30, ["--min-deadline", "2", "--sample-log", logs])
+    wait_for(lambda: stopped(victim), 150, "the victim to stop itself in a request")
+    stopped_at = int(re.search(r"fault injection: stop at step (\d+)", victim.log_tail(400)).group(1))
     before = info(mate.ready["address"]).samples_processed
-    victim.send_signal(signal.SIGSTOP)
     # the stage goes on without it: its work moves to the mate, which applies several updates
     wait_for(lambda: info(mate.ready["address"]).step >= stopped_at + 4, 120, "the stage to go on without it")
     victim.send_signal(signal.SIGCONT)

@@ -12,9 +12,11 @@ from tests.integration.helpers import run_args
 def test_request_into_a_leaving_peer_gets_unavailable_and_no_sample_is_dropped(make_swarm):
     swarm = make_swarm(stages=2, peers_per_stage=2, trainers=1, steps=16, run_args=run_args())
     swarm.start_coordinator()
-    # this peer's compute stops at step 4 while it still looks online (the moment a peer starts to
-    # leave, before its record says so); 2 s later it moves to stage 1
-    leaving = swarm.start_peer(0, ["--no-rebalance", "--debug-fail-at-step", "4", "--debug-fail-mode", "leave"])
+    # this peer's compute stops at step 4, in the first request it serves from then on, while it still
+    # looks online (the moment a peer starts to leave, before its record says so); 2 s later it moves
+    # to stage 1
+    fault = ["--debug-fail-at-step", "4", "--debug-fail-mode", "leave", "--debug-fail-in-request"]
+    leaving = swarm.start_peer(0, ["--no-rebalance", *fault])
     others = [swarm.start_peer(stage, ["--no-rebalance"], wait=False) for stage in (0, 1, 1)]
     for proc in others:
         proc.wait_ready(120)

@@ -72,6 +72,8 @@ def test_swarm_local_cli_trains_and_reaps_everything(tmp_path):
     assert sum(c["predicted_samples"] for c in peers) > 0, "no microbatch ran ahead in async mode"
     assert sum(c["partials_fetched"] for c in peers) > 0, "no peer fetched a mate's partial gradient"
     assert sum(c["predictions_with_mates"] for c in peers) > 0, "no prediction used a mate's partial gradient"
+    # an open swarm: the trainers' Forward/Backward went over the peers' lanes (swarm.wire.lane)
+    assert all(c["lane_calls"] > 0 for c in peers), [c["lane_calls"] for c in peers]
     assert len(seen) >= 2 * 4 + 1, "coordinator, 4 peers, 2 trainers and their DHT daemons"
     assert_all_reaped([], sorted(seen))
 

@@ -12,7 +12,9 @@ def test_figures_separate_new_contributions_from_waste():
         "peers": [
             {"stage": 0, "samples_processed": 200, "duplicate_samples": 20, "check_samples": 10},
             {"stage": 0, "samples_processed": 150, "duplicate_samples": 0, "check_samples": 0},
-            {"stage": 1, "samples_processed": 320, "duplicate_samples": 0, "check_samples": 0},
+            {"stage": 1, "samples_processed": 300, "duplicate_samples": 0, "check_samples": 0},
+            # moved from stage 1 to 0: what it did at stage 1 is kept apart (its counters restarted)
+            {"stage": 0, "samples_processed": 0, "earlier_stages": {"1": {"samples_processed": 20}}},
             {"stage": None},  # a peer that never joined a stage
         ],
     }  # fmt: skip

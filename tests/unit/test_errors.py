@@ -10,6 +10,7 @@ from swarm.core.errors import (
     NotServing,
     Overloaded,
     RequestInvalid,
+    StageBehind,
     StepNotReady,
     WrongTarget,
 )
@@ -31,6 +32,7 @@ from swarm.wire.codec import MessageTooLarge, WireError
         (NotServing("joining"), grpc.StatusCode.UNAVAILABLE),
         (ExecutorStopped("stage executor is stopped"), grpc.StatusCode.UNAVAILABLE),
         (StepNotReady("behind"), grpc.StatusCode.UNAVAILABLE),
+        (StageBehind("the stage is behind the run"), grpc.StatusCode.ABORTED),
         (KeyError("a bug"), grpc.StatusCode.INTERNAL),
         (RuntimeError("shutting down"), grpc.StatusCode.INTERNAL),  # a message decides nothing
     ],
@@ -45,16 +47,18 @@ def test_status_of_error_type(error, code):
     ("step", "mates_step", "error"),
     [
         (7, 5, None),  # within this peer's bound (5 + 2)
-        (8, 5, RequestInvalid),  # ahead of the whole stage: every peer would refuse it
+        (8, 5, StageBehind),  # ahead of the whole stage: it is behind the run (restored from a checkpoint)
         (60, 59, StepNotReady),  # this peer is behind its stage (it just entered it): a mate takes it
         (-1, 59, RequestInvalid),
     ],
 )
-def test_a_step_too_far_ahead_is_the_requests_fault_only_if_no_mate_takes_it(step, mates_step, error):
-    """A peer at step 5 (it moved in and downloaded a state a moment ago) whose mates are at
-    `mates_step`: a request it cannot take is refused as a peer's transient state (retried on a
-    mate) when the stage takes it; a trainer once dropped such a microbatch and the stage waited for
-    its samples for ever."""
+def test_a_step_too_far_ahead_goes_to_a_mate_or_waits_for_the_stage(step, mates_step, error):
+    """A peer at step 5 (it moved in and downloaded a state a moment ago, or its stage was restored
+    from an older checkpoint) whose mates are at `mates_step`: a request it cannot take is refused as
+    a peer's transient state (retried on a mate) when the stage takes it, and as "the stage is
+    behind, try again soon" when no mate does. Refused as invalid, a trainer dropped such a
+    microbatch and the stage waited for its samples for ever (after a whole stage was restored from
+    a checkpoint three steps back)."""
     import asyncio
     from types import SimpleNamespace
 
@@ -72,7 +76,7 @@ def test_a_step_too_far_ahead_is_the_requests_fault_only_if_no_mate_takes_it(ste
         yield
 
     async def first():
-        parts = service._compute("forward", msg, SimpleNamespace(step=5), None, None, no_parts(), {})
+        parts = service.compute("forward", msg, SimpleNamespace(step=5), None, None, no_parts(), {})
         return [p async for p in parts]
 
     if error is None:

@@ -1,5 +1,7 @@
 """The compute thread: batched work equals separate work; duplicates and NaN accumulate nothing."""
 
+import math
+
 import pytest
 import torch
 
@@ -122,3 +124,50 @@ def test_the_given_ledger_is_kept_and_its_file_written(tmp_path):
         assert len(path.read_text().splitlines()) == 1 and len(ledger) == 1
     finally:
         ex.stop()
+
+
+def test_a_cheap_forward_runs_inline_only_while_the_compute_thread_is_idle():
+    """The inline path (swarm.peer.executor.thread): same result as the compute thread's, never at the
+    same time as a batch there, and only for forwards measured to be cheap."""
+    import threading
+
+    ex = StageExecutor(build_stage({"kind": "identity", "dim": 16}, 0, 2), OptimConfig())
+    try:
+        x = torch.randn(4, 16)
+        first = ex.forward(x, validation=True, inline=True).result(timeout=30)  # not measured yet: thread
+        assert ex.inline_tasks == 0 and ex.forward_s_per_sample is not None
+        ex.forward_s_per_sample = 1e-6  # cheap: runs on this thread
+        done = ex.forward(x, validation=True, inline=True)
+        assert done.done() and ex.inline_tasks == 1
+        assert torch.equal(done.result().output, first.output)
+        assert ex.counters_dict()["inline_forwards"] == 1
+
+        release, started = threading.Event(), threading.Event()
+        blocker = ex.call(lambda: (started.set(), release.wait(30)))
+        assert started.wait(30)
+        queued = ex.forward(x, validation=True, inline=True)  # the thread is busy: queued behind it
+        assert not queued.done() and ex.inline_tasks == 1
+        release.set()
+        assert torch.equal(queued.result(timeout=30).output, first.output)
+        blocker.result(timeout=30)
+
+        ex.forward_s_per_sample = 1.0  # expensive: never inline
+        ex.forward(x, validation=True, inline=True).result(timeout=30)
+        assert ex.inline_tasks == 1
+        ex.forward_s_per_sample = 1e-6
+        ex.forward(x, validation=True).result(timeout=30)  # inline not asked for
+        assert ex.inline_tasks == 1
+    finally:
+        ex.stop()
+
+
+def test_abs_bound_and_gradient_norm_cover_every_tensor_in_one_pass():
+    from swarm.core.checks import abs_bound, gradient_norm
+
+    ts = [torch.tensor([1.0, -3.0]), None, torch.tensor([2.0], dtype=torch.bfloat16), torch.empty(0)]
+    assert 3.0 <= abs_bound(ts) <= 10**0.5 + 1e-6 and abs_bound([]) == 0.0
+    assert math.isnan(abs_bound([torch.tensor([1.0, float("nan")]), torch.ones(2)]))
+    assert math.isinf(abs_bound([torch.ones(2), torch.tensor([float("-inf")])]))
+    huge = torch.full((4,), 1e30)  # finite, but its squares overflow: the exact maximum decides
+    assert abs_bound([huge, torch.ones(2)]) == float(huge[0])
+    assert abs(gradient_norm([torch.tensor([3.0]), torch.tensor([4.0])]) - 5.0) < 1e-12

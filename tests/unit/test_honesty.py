@@ -61,6 +61,49 @@ def test_the_outlier_rule_spares_honest_noise_and_needs_three():
     assert gradient_outliers({"a": snap(1.0), "b": snap(50.0), "c": snap(0.0, frozen=False)}) == {}
 
 
+def test_a_replayed_outlier_microbatch_does_not_leave_its_new_holder_out():
+    """An honest loss spike: "c" was left out for microbatch t0/5/8 and reported dropping it; its replay
+    now makes "b" stand out: "b" stays in. A peer's own report does not spare it (a liar's claim)."""
+    dropped = frozenset({"t0/5/8"})
+    lists = {
+        "a": snap(1.0, cid="t0/5/0"),
+        "b": snap(9.5, cid="t0/5/8"),
+        "c": HeldSnapshot(5, True, 1, {"t0/5/12": Held(4, 0)}, 5, 1.2, dropped),
+    }
+    assert gradient_outliers(lists) == {}
+    liar = {**lists, "b": HeldSnapshot(5, True, 0, {"t0/5/8": Held(4, 0)}, 5, 9.5, dropped), "c": snap(1.2)}
+    assert set(gradient_outliers(liar)) == {"b"}
+    # a different microbatch on "b" is no replay of the dropped one: left out as before
+    assert set(gradient_outliers({**lists, "b": snap(9.5, cid="t0/5/4")})) == {"b"}
+
+
+def test_a_left_out_peer_reports_what_it_dropped_until_the_update_is_applied():
+    from swarm.peer.executor import StageExecutor
+    from swarm.training.config import OptimConfig
+    from swarm.training.models import build_stage
+
+    gpt = {"kind": "gpt", "vocab_size": 64, "seq_len": 8, "d_model": 16, "n_layers": 2, "n_heads": 2, "d_ff": 32}
+    last_stage = StageExecutor(build_stage(gpt, 1, 2), OptimConfig())
+    try:
+        _report_after_drop(last_stage)
+    finally:
+        last_stage.stop()
+
+
+def _report_after_drop(last_stage) -> None:
+    h = torch.randn(2, 8, 16)
+    y = torch.randint(0, 64, (2, 8))
+    last_stage.backward(h, None, y, "t0/0/0", tag=0).result(timeout=30)
+    last_stage.call(last_stage.take_accumulated).result(timeout=30)
+    dropped = last_stage.call(lambda: last_stage.drop_unapplied(outlier_step=0)).result(timeout=30)
+    assert dropped == 2 and last_stage.samples_accumulated == 0
+    listed = last_stage.call(lambda: last_stage.contributions(0)).result(timeout=30)
+    assert listed.outlier_dropped == {"t0/0/0"} and not listed.held
+    assert snapshot_of(contributions_response("a", listed)).outlier_dropped == {"t0/0/0"}
+    last_stage.acc.on_step_changed(1, drop_stale=False)  # update 0 applied: forgotten
+    assert last_stage.call(lambda: last_stage.contributions(0)).result(timeout=30).outlier_dropped == frozenset()
+
+
 def test_the_norm_travels_in_the_frozen_list():
     s = snap(2.5)
     assert snapshot_of(contributions_response("a", s)).grad_norm == 2.5
@@ -103,7 +146,7 @@ class _Peers:
         class Client:
             async def call(self, kind, request, tensors, timeout):
                 peers.requests.append((address, request.step))
-                out = peers.answers[address](request.step)
+                out = peers.answers[address](peers.steps[address])  # at its own parameters
                 return pb.ForwardResponse(peer_step=peers.steps[address]), WireTensor.encode(out, pb.CODEC_NONE)
 
         return Client()
@@ -131,6 +174,8 @@ def _honesty(peers: _Peers, accused: str):
 
 
 def test_an_accusation_is_confirmed_only_with_answers_of_one_step():
+    """Answers are kept by step: the accused's answer at step 4 is judged against its mates' answers at
+    step 4 even when they were taken in an earlier round (the mates moved on meanwhile)."""
     import asyncio
 
     torch.manual_seed(0)
@@ -138,11 +183,11 @@ def test_an_accusation_is_confirmed_only_with_answers_of_one_step():
     lies = {s: t + 0.5 * torch.randn(4, 8) for s, t in truth.items()}
     peers = _Peers({"liar": 3, "b": 4, "c": 4}, {"liar": lies.get, "b": truth.get, "c": truth.get})
     h, accusation = _honesty(peers, "liar")
-    asyncio.run(h.verify("liar", accusation))  # a step behind its mates (left out of update 3): not now
-    assert peers.requests == [] and h.stats.banned == {}
-    peers.steps["liar"] = 4  # it downloaded a mate's state: the three at step 4
+    asyncio.run(h.verify("liar", accusation))  # a step behind its mates (left out of update 3)
+    assert sorted(peers.requests) == [("b", 3), ("c", 3), ("liar", 3)]  # the probe for the accused's step
+    assert h.stats.banned == {}  # no two answers of one step to compare with the accused's
+    peers.steps.update(liar=4, b=5, c=5)  # it downloaded a mate's state; they applied update 4
     asyncio.run(h.verify("liar", accusation))
-    assert sorted(peers.requests) == [("b", 4), ("c", 4), ("liar", 4)]  # the probe for that step, to all three
     assert h.stats.banned["liar"]["how"] == "confirmed" and h.stats.accusations_confirmed == 1
 
 

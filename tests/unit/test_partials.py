@@ -139,3 +139,30 @@ def test_frozen_sum_travels_exactly_and_stays_fetchable_after_the_update():
         assert ex.call(lambda: ex.frozen_gradient(1)).result(timeout=30) is None
     finally:
         ex.stop()
+
+
+def test_a_frozen_sum_asked_for_early_says_how_long_its_owner_made_the_mate_wait():
+    """A mate asks before this peer begins averaging the update: the request waits for it, and the
+    header says how long (the asker counts it as waiting for a straggler, not as averaging)."""
+    import asyncio
+    import json
+
+    from swarm.peer.partials import partial_chunks
+    from swarm.wire.protocol import pb
+
+    (ex,) = _executors(1)
+    try:
+        for i, (h, y) in enumerate(_batches(2)):
+            ex.backward(h, None, y, f"c{i}").result(timeout=30)
+        ex.call(ex.take_accumulated).result(timeout=30)
+
+        async def fetch():
+            asyncio.get_running_loop().call_later(0.2, lambda: setattr(ex, "averaging_step", 0))
+            return [chunk async for chunk in partial_chunks(ex, 0, frozen=True)]
+
+        chunks = asyncio.run(fetch())
+        header = json.loads(pb.Chunk.FromString(chunks[0]).header)
+        assert header["step"] == 0 and 150 <= header["waited_ms"] < 3000
+    finally:
+        ex.averaging_step = None
+        ex.stop()

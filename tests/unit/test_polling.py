@@ -32,7 +32,10 @@ def test_poller_count_forgets_pollers_gone_quiet():
 
 class _Client:
     def __init__(self, answers: list):
-        self.answers, self.calls = answers, 0
+        self.answers, self.calls, self.lane_port = answers, 0, None
+
+    def set_lane(self, port: int) -> None:
+        self.lane_port = port
 
     async def info(self, timeout: float, wait_for_step: int = 0, wait_s: float = 0.0):
         self.calls += 1
@@ -55,6 +58,7 @@ def test_view_polls_a_peer_at_the_period_it_asks_for():
         view.peers["p1"] = status
         await view.poll_info(due_only=True)
         assert client.calls == 1 and status.poll_period_s == pytest.approx(2.0)
+        assert client.lane_port == 0  # the answer named no lane: the client stays on gRPC
         for _ in range(5):  # the loop's next ticks: not due again for 2 s
             await view.poll_info(due_only=True)
         assert client.calls == 1

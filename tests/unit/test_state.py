@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from swarm.core.errors import StateError
+from swarm.core.states import PeerState
 from swarm.peer.executor import StageExecutor
 from swarm.training.config import OptimConfig
 from swarm.training.models import build_stage
@@ -124,3 +125,26 @@ def test_a_damaged_checkpoint_is_refused(trained, tmp_path, caplog):
     (store.dir / "step00000004.pt").write_bytes(bytes(flipped))
     found = store.load_latest(module, META)
     assert found is not None and found[1].step == 2 and "checksum mismatch" in caplog.text
+
+
+def test_a_writer_that_caught_up_by_download_still_writes_the_checkpoint_it_passed(trained, tmp_path):
+    """Checkpoints every 2 steps: a writer at step 1 that downloads its mates' state at step 3 skipped
+    update 2; it writes the state it downloaded (it once wrote nothing, and a stage killed later was
+    restored from far behind)."""
+    from swarm.peer.checkpoints import CheckpointWriter
+    from swarm.training.config import RunConfig
+
+    ex, _ = trained
+    run = RunConfig(run_id="run", num_stages=2, model=GPT)
+    store = CheckpointStore(tmp_path, stage=1)
+    writer = CheckpointWriter(store, ex, run, 1, every=2, peer_id="a", live_mates=lambda: [])
+    writer._last_step = 1
+    assert writer.after_step(1) is None  # no multiple of 2 passed
+    thread = writer.after_step(3)  # 1 -> 3 passed 2
+    assert thread is not None
+    thread.join(timeout=30)
+    assert [c.step for c in store.list()] == [ex.step]
+    assert writer.after_step(3) is None and writer.after_step(3) is None  # nothing new passed
+    busy_mate = type("Mate", (), {"peer_id": "0", "record_state": PeerState.ONLINE})()
+    other = CheckpointWriter(store, ex, run, 1, every=2, peer_id="b", live_mates=lambda: [busy_mate])
+    assert other.after_step(4) is None  # a mate with a smaller id writes them

@@ -87,7 +87,7 @@ class _Mates:
     def event(self, kind: str, **fields) -> None:
         self.events.append((kind, fields))
 
-    def restart_averager(self):
+    def start_averager(self):
         self.events.append(("averager_restarted", {}))
         return "a new averager"
 
@@ -166,3 +166,59 @@ def test_a_dead_averager_process_is_replaced(mates):
     assert asyncio.run(coord._average(frozen, agreement)) is None
     assert coord.averager == "a new averager"  # the next round runs with a new process
     assert [k for k, _ in coord.mates.events] == ["averaging_failed", "averager_restarted"]
+
+
+def test_the_averager_process_starts_on_the_first_round_too_large_for_direct_averaging(mates):
+    """Stages of at most --averaging-direct-max peers never fork a hivemind averager; the first round
+    with more members starts one (here direct_max is 0: every round of 2 or more)."""
+    import asyncio
+
+    from swarm.peer.agreement import agree
+    from swarm.training.averaging import AveragedGradient
+
+    class Working:
+        alive = True
+
+        def average(self, grads, samples, step, mates):
+            return AveragedGradient([g / samples for g in grads], ("a", *mates), 0.01)
+
+    class StartingMates(_Mates):
+        def start_averager(self):
+            self.events.append(("averager_started", {}))
+            return Working()
+
+    from swarm.peer.stepping import StepCoordinator
+
+    a, _ = mates
+    _accumulate(a, 4, "t0/0/0")
+    frozen = a.call(a.take_accumulated).result(timeout=30)
+    own = a.call(lambda: a.contributions(0)).result()
+    agreement = agree(0, {"a": own, "m": type(own)(0, True, 0, {}, 0)})
+    coord = StepCoordinator(a, None, StartingMates("a"), None, "run", 12)
+    mean = asyncio.run(coord._average(frozen, agreement))
+    assert mean is not None and isinstance(coord.averager, Working)
+    assert coord.mates.events == [("averager_started", {})]
+    asyncio.run(coord._average(frozen, agreement))  # the next round reuses it
+    assert coord.mates.events == [("averager_started", {})]
+
+
+def test_the_update_timeline_counts_waiting_for_mates_apart_from_agreeing():
+    from swarm.peer.timeline import UpdateTimeline
+
+    tl = UpdateTimeline()
+    tl.record(start=0.0, frozen=0.01, agreed=0.10, averaged=0.15, applied=0.16, waited=0.07)
+    tl.record(start=1.0, frozen=1.01, agreed=1.03, averaged=1.08, applied=1.10)
+    d = tl.as_dict()
+    assert d["updates"] == 2 and d["intervals"] == 1 and abs(d["interval_s"] - 0.94) < 1e-9
+    assert abs(d["wait_mates_s"] - 0.07) < 1e-9 and abs(d["agree_s"] - 0.04) < 1e-9
+    assert abs(d["allreduce_s"] - 0.10) < 1e-9
+
+
+def test_a_straggler_mate_counts_as_waiting_not_as_averaging():
+    from swarm.peer.timeline import UpdateTimeline
+
+    tl = UpdateTimeline()
+    tl.record(start=0.0, frozen=0.01, agreed=0.05, averaged=0.15, applied=0.16, waited=0.02, straggler=0.06)
+    d = tl.as_dict()
+    assert abs(d["wait_mates_s"] - 0.08) < 1e-9 and abs(d["agree_s"] - 0.02) < 1e-9
+    assert abs(d["allreduce_s"] - 0.04) < 1e-9

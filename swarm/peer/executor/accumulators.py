@@ -17,22 +17,21 @@ overflow is refused (each request's gradient is finite, their sum need not be).
 
 from __future__ import annotations
 
+import functools
+import math
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 
+from swarm.core.checks import abs_bound
 from swarm.core.errors import LateContribution, NonFiniteResult, StepClosed
 from swarm.policy.ledger import Held, base_id
 
 APPLIED_IDS_REMEMBERED = 1 << 16  # contribution ids of applied updates still recognized as duplicates
 ELSEWHERE_HINT_S = 10.0  # how long "a mate holds it" answers a replay: that mate may move, die or drop it
-
-
-def _largest(tensor: torch.Tensor) -> float:
-    """The largest |element| (0 for an empty tensor)."""
-    return float(torch.linalg.vector_norm(tensor, float("inf"))) if tensor.numel() else 0.0
 
 
 @dataclass
@@ -45,7 +44,7 @@ class Accumulated:
     step: int
     held: dict[str, Held] = field(default_factory=dict)
     norm: float = 0.0  # of the mean gradient (the sum over samples), set when frozen: the outlier rule
-    bound: float = 0.0  # the sum of the largest |element| of each gradient added: no sum's element is larger
+    bound: float = 0.0  # the sum of a bound on |element| of each gradient added: no sum's element is larger
 
 
 @dataclass(frozen=True)
@@ -57,9 +56,22 @@ class Holder:
     since: float = 0.0  # when this peer learned it (a mate's holding is a hint that expires)
 
 
+def _locked(method):
+    """Run under the accumulators' lock: the compute thread changes them, and the event loop reads a
+    consistent snapshot without a hand-off to it (swarm.peer.executor.updates, `contributions`)."""
+
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self.lock:
+            return method(self, *args, **kwargs)
+
+    return locked
+
+
 class Accumulators:
     def __init__(self, params: list[torch.Tensor]) -> None:
         self.params = params
+        self.lock = threading.RLock()  # see _locked
         # sums stay below this: their dtype holds it, and so does bfloat16 (a partial sum travels as that)
         dtypes = {p.dtype for p in params if p.is_floating_point()} | {torch.bfloat16}
         self.limit = min(torch.finfo(d).max for d in dtypes)
@@ -72,6 +84,8 @@ class Accumulators:
         self._applied: OrderedDict[str, int] = OrderedDict()  # contribution id -> step of its update
         # contributions a stage-mate holds (found when the stage agreed on an update): cid -> holder
         self._elsewhere: dict[str, Holder] = {}
+        # what this peer dropped when the norm rule left it out of an update: step -> contribution ids
+        self.outlier_dropped: dict[int, set[str]] = {}
 
     # ---- what a request repeats ----
 
@@ -103,20 +117,23 @@ class Accumulators:
 
     # ---- accumulating ----
 
-    def add(self, step: int, grads: list[torch.Tensor | None], held: dict[str, Held]) -> None:
+    @_locked
+    def add(
+        self, step: int, grads: list[torch.Tensor | None], held: dict[str, Held], largest: float | None = None
+    ) -> None:
         """Add a request's (finite) gradients to update `step`'s sum; NonFiniteResult, and nothing
-        added, when the sum could overflow."""
-        largest = max((_largest(g) for g in grads if g is not None), default=0.0)
+        added, when the sum could overflow. `largest`: a bound on their |elements| already known."""
+        largest = abs_bound(grads) if largest is None else largest
         acc = self._open.get(step)
-        if (acc.bound if acc is not None else 0.0) + largest > self.limit:
+        if not math.isfinite(largest) or (acc.bound if acc is not None else 0.0) + largest > self.limit:
             raise NonFiniteResult(f"gradients this large would overflow the sum for update {step}; not accumulated")
         if acc is None:
             acc = self._open[step] = Accumulated(None, 0, step)
         if acc.grads is None:
             acc.grads = [torch.zeros_like(p) for p in self.params]
-        for buf, g in zip(acc.grads, grads, strict=True):
-            if g is not None:
-                buf.add_(g)
+        pairs = [(buf, g) for buf, g in zip(acc.grads, grads, strict=True) if g is not None]
+        if pairs:
+            torch._foreach_add_([b for b, _ in pairs], [g for _, g in pairs])
         acc.bound += largest
         acc.samples += sum(h.samples for h in held.values())
         acc.held.update(held)
@@ -136,6 +153,7 @@ class Accumulators:
 
     # ---- freezing, unfreezing, dropping ----
 
+    @_locked
     def freeze(self) -> Accumulated:
         """Freeze the accumulator of `accumulating_step` for the stage's agreement and averaging."""
         frozen = self._open.pop(self.accumulating_step, None) or Accumulated(None, 0, self.accumulating_step)
@@ -145,6 +163,7 @@ class Accumulators:
         self.frozen = frozen
         return frozen
 
+    @_locked
     def unfreeze(self) -> None:
         """The stage was not ready to apply the frozen update: it takes requests again."""
         frozen, self.frozen = self.frozen, None
@@ -153,6 +172,7 @@ class Accumulators:
         self._open[frozen.step] = frozen  # nothing else came for it meanwhile: requests were refused
         self.accumulating_step = min(self.accumulating_step, frozen.step)
 
+    @_locked
     def drop_unapplied(self, elsewhere: dict[str, Holder] | None = None) -> int:
         """Drop every gradient not yet applied and change the epoch: trainers replay what they had
         sent here. `elsewhere`: contributions a mate holds (a replay of them is a duplicate). Returns
@@ -166,8 +186,20 @@ class Accumulators:
         self._elsewhere.update({c: Holder(h.peer_id, h.epoch, now) for c, h in (elsewhere or {}).items()})
         return dropped
 
+    @_locked
+    def drop_as_outlier(self, step: int) -> int:
+        """`drop_unapplied` when the norm rule left this peer out of update `step`; the ids it held
+        for it are remembered and reported (a replay of them elsewhere is not evidence against its
+        new holder: swarm.peer.agreement)."""
+        held = set(self.frozen.held) if self.frozen is not None and self.frozen.step == step else set()
+        if step in self._open:
+            held |= set(self._open[step].held)
+        self.outlier_dropped.setdefault(step, set()).update(held)
+        return self.drop_unapplied()
+
     # ---- after an update ----
 
+    @_locked
     def mark_applied(self, step: int, contributions: dict[str, Held] | None = None) -> None:
         """Update `step` is in the parameters with `contributions` (this peer's and its mates')."""
         for cid in contributions or ():
@@ -177,11 +209,13 @@ class Accumulators:
             self._applied.popitem(last=False)
         self._elsewhere = {c: h for c, h in self._elsewhere.items() if c not in self._applied}
 
+    @_locked
     def on_step_changed(self, step: int, drop_stale: bool) -> None:
         """The parameters are now at `step` (an update was applied, or a state loaded): gradients go
         into `step` or later; a frozen gradient of an earlier update is done with. `drop_stale`
         (a loaded state): open accumulators of updates the state already holds are dropped too."""
         self.accumulating_step = max(self.accumulating_step, step) if not drop_stale else step
+        self.outlier_dropped = {s: ids for s, ids in self.outlier_dropped.items() if s >= step}
         if self.frozen is not None and self.frozen.step < step:
             self.recent_frozen, self.frozen = self.frozen, None
         if drop_stale:

@@ -3,30 +3,29 @@ accumulates gradients (swarm.peer.executor.accumulators) and applies optimizer s
 (swarm.peer.executor.updates).
 
 All access to parameters, gradient accumulators and the optimizer happens on this one thread, so a
-step never races a backward. The gRPC side submits work and awaits the returned futures; `call`
+step never races a backward (a cheap forward may run on the event loop instead, never at the same
+time: swarm.peer.executor.thread). The gRPC side submits work and awaits the returned futures; `call`
 runs any function between batches (state snapshots, updates, the look-ahead's mates' sums).
 """
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import contextlib
 import logging
-import threading
+import math
 import time
-from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any
 
 import torch
 
-from swarm.core.checks import all_finite
-from swarm.core.errors import ExecutorStopped, NonFiniteResult, Overloaded, RequestInvalid, SwarmError
+from swarm.core.checks import abs_bound, all_finite
+from swarm.core.errors import NonFiniteResult
 from swarm.peer.executor.accumulators import Accumulators
 from swarm.peer.executor.activations import ActivationCache, Kept, saved_bytes
 from swarm.peer.executor.lookahead import LookAhead
-from swarm.peer.executor.tasks import BACKWARD, CALL, EVAL, FORWARD, BackwardResult, ForwardResult, Task, take_batch
+from swarm.peer.executor.tasks import BACKWARD, EVAL, FORWARD, BackwardResult, ForwardResult, Task
+from swarm.peer.executor.thread import ComputeThread
 from swarm.peer.executor.updates import ExecutorCounters, StageUpdates
 from swarm.peer.ledger import StageLedger
 from swarm.policy.ledger import Held
@@ -41,11 +40,7 @@ def _plus(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None
     return b if a is None else a if b is None else a + b
 
 
-# what torch raises on a request the schema let through but the module cannot take
-_REQUEST_FAULTS = (ValueError, RuntimeError, IndexError, TypeError)
-
-
-class StageExecutor(StageUpdates):
+class StageExecutor(StageUpdates, ComputeThread):
     def __init__(
         self,
         built: BuiltStage,
@@ -84,19 +79,11 @@ class StageExecutor(StageUpdates):
         self.ledger = ledger if ledger is not None else StageLedger(built.stage)
         self.fingerprint = self.compute_fingerprint()  # (step, sum, sum of |p|), replaced whole
 
-        self._queue: collections.deque[Task] = collections.deque()
-        self._queued_bytes = 0
-        self.max_queue_tasks, self.max_queue_bytes = max_queue_tasks, max_queue_bytes
-        self._cv = threading.Condition()
-        self._stopped = False
-        self._thread = threading.Thread(target=self._loop, name=f"stage{built.stage}-compute", daemon=True)
-        self._thread.start()
+        self.stage_label = f"stage {built.stage}"
+        self.forward_s_per_sample: float | None = None  # measured; decides which forwards run inline
+        self._start_thread(f"stage{built.stage}-compute", max_queue_tasks, max_queue_bytes)
 
     # ---- read by other threads ----
-
-    @property
-    def queue_length(self) -> int:
-        return len(self._queue)
 
     @property
     def accumulating_step(self) -> int:
@@ -108,26 +95,10 @@ class StageExecutor(StageUpdates):
         return self.acc.samples_for(self.step)
 
     def counters_dict(self) -> dict[str, int | float]:
-        return {**asdict(self.counters), **asdict(self.lookahead.counters), **asdict(self.activations.counters)}
+        counters = {**asdict(self.counters), **asdict(self.lookahead.counters), **asdict(self.activations.counters)}
+        return {**counters, "inline_forwards": self.inline_tasks}
 
     # ---- submission (any thread) ----
-
-    def submit(self, task: Task) -> concurrent.futures.Future:
-        nbytes = task.nbytes
-        with self._cv:
-            if self._stopped:
-                raise ExecutorStopped(f"stage {self.built.stage}'s executor is stopped (leaving or shutting down)")
-            if task.kind != CALL and (
-                len(self._queue) >= self.max_queue_tasks or self._queued_bytes + nbytes > self.max_queue_bytes
-            ):
-                raise Overloaded(
-                    f"stage {self.built.stage}'s compute queue is full ({len(self._queue)} requests, "
-                    f"{self._queued_bytes >> 20} MiB); retry later"
-                )
-            self._queue.append(task)
-            self._queued_bytes += nbytes
-            self._cv.notify()
-        return task.future
 
     def forward(
         self,
@@ -136,9 +107,12 @@ class StageExecutor(StageUpdates):
         validation: bool = False,
         tag: int = 0,
         key: str = "",
+        inline: bool = False,
     ) -> concurrent.futures.Future:
-        """`key`: a training forward's id, under which its activations may be kept for its backward."""
-        return self.submit(Task(EVAL if validation else FORWARD, inputs, targets, request_id=key, tag=tag))
+        """`key`: a training forward's id, under which its activations may be kept for its backward.
+        `inline`: a cheap forward may run on this thread (swarm.peer.executor.thread)."""
+        task = Task(EVAL if validation else FORWARD, inputs, targets, request_id=key, tag=tag)
+        return self.submit_or_run(task, inline)
 
     def backward(
         self,
@@ -161,62 +135,11 @@ class StageExecutor(StageUpdates):
         )  # fmt: skip
         return self.submit(task)
 
-    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
-        """Run `fn` on the compute thread, between batches: safe access to parameters and state."""
-        return self.submit(Task(CALL, fn=fn))
-
-    def stop(self) -> None:
-        with self._cv:
-            self._stopped = True
-            pending = list(self._queue)
-            self._queue.clear()
-            self._queued_bytes = 0
-            self._cv.notify_all()
-        for task in pending:
-            if not task.future.done():
-                task.future.set_exception(ExecutorStopped(f"stage {self.built.stage}'s executor stopped"))
-        self._thread.join(timeout=10)
-
     # ---- compute thread ----
 
     def _is_duplicate(self, task: Task) -> bool:
         """A backward that accumulates nothing (a duplicate, or a spot check): it runs alone."""
         return task.kind == BACKWARD and (task.check_only or self.acc.holder_of(task.request_id) is not None)
-
-    def _next_batch(self) -> list[Task] | None:
-        with self._cv:
-            while not self._queue and not self._stopped:
-                self._cv.wait()
-            if self._stopped:
-                return None
-            batch = take_batch(self._queue, self.max_batch_samples, self._is_duplicate)
-            self._queued_bytes -= sum(t.nbytes for t in batch)
-            return batch
-
-    def _loop(self) -> None:
-        while True:
-            batch = self._next_batch()
-            if batch is None:
-                return
-            live = [t for t in batch if t.future.set_running_or_notify_cancel()]
-            if not live:
-                continue
-            try:
-                kind = live[0].kind
-                if kind == CALL:
-                    live[0].future.set_result(live[0].fn())
-                elif kind == BACKWARD:
-                    self._run_backward(live)
-                else:
-                    self._run_forward(live, train=kind == FORWARD)
-            except BaseException as e:  # noqa: BLE001 - every error goes back to its requester
-                if kind != CALL and isinstance(e, _REQUEST_FAULTS) and not isinstance(e, SwarmError):
-                    e = RequestInvalid(f"{type(e).__name__}: {e}")
-                elif not isinstance(e, (SwarmError, *_REQUEST_FAULTS)):
-                    logger.exception("unexpected error in the compute thread")
-                for task in live:
-                    if not task.future.done():
-                        task.future.set_exception(e)
 
     def _cat(self, tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
         if tensors[0] is None:
@@ -284,6 +207,9 @@ class StageExecutor(StageUpdates):
         elapsed = time.perf_counter() - start
         self.counters.compute_seconds += elapsed
         total = sum(t.size for t in tasks)
+        per_sample = elapsed / max(1, total)
+        ema = self.forward_s_per_sample
+        self.forward_s_per_sample = per_sample if ema is None else 0.9 * ema + 0.1 * per_sample
         offset = 0
         for task in tasks:
             part = out[offset : offset + task.size]
@@ -314,8 +240,7 @@ class StageExecutor(StageUpdates):
             grads = torch.autograd.grad(objective, wrt, grad_outputs=grad_seed, allow_unused=True) if wrt else []
         param_grads = [] if duplicate else list(grads[: len(self.params)])
         grad_input = grads[-1] if self.inputs_are_float else None
-        self._check_gradients(param_grads, grad_input)
-        return param_grads, grad_input, losses, x.shape[0]
+        return param_grads, grad_input, losses, self._check_gradients(param_grads, grad_input)
 
     def _gradients_kept(self, task: Task, kept: Kept):
         """The same from a kept forward: the backward pass only."""
@@ -325,14 +250,16 @@ class StageExecutor(StageUpdates):
             grads = torch.autograd.grad(kept.output, wrt, grad_outputs=grad_out, allow_unused=True)
         param_grads = list(grads[: len(self.params)])
         grad_input = grads[-1] if self.inputs_are_float else None
-        self._check_gradients(param_grads, grad_input)
-        return param_grads, grad_input, None, task.size
+        return param_grads, grad_input, None, self._check_gradients(param_grads, grad_input)
 
-    def _check_gradients(self, param_grads: list[torch.Tensor | None], grad_input: torch.Tensor | None) -> None:
-        if not all(g is None or all_finite(g) for g in param_grads):
+    def _check_gradients(self, param_grads: list[torch.Tensor | None], grad_input: torch.Tensor | None) -> float:
+        """NonFiniteResult unless every gradient is finite; a bound on the |elements| of the parameters' (abs_bound)."""
+        largest = abs_bound(param_grads)
+        if not math.isfinite(largest):
             raise NonFiniteResult(f"stage {self.built.stage} computed a NaN or infinite gradient; not accumulated")
         if grad_input is not None and not all_finite(grad_input):
             raise NonFiniteResult(f"stage {self.built.stage} computed a NaN or infinite input gradient")
+        return largest
 
     def _backward_groups(
         self, tasks: list[Task], target_step: int, duplicate: bool
@@ -364,11 +291,13 @@ class StageExecutor(StageUpdates):
         target_step = max(tasks[0].tag, self.acc.accumulating_step) if duplicate else self.acc.target_step(tasks[0].tag)
         answers: list[tuple[Task, torch.Tensor | None, torch.Tensor | None]] = []
         total: list[torch.Tensor | None] | None = None  # the batch's parameter gradients, summed over groups
+        bound = 0.0  # no element of `total` is larger: the groups' largest |elements| summed
         for group, kept in self._backward_groups(tasks, target_step, duplicate):
             if kept is None:
-                param_grads, grad_input, losses, _ = self._gradients(group, target_step, duplicate)
+                param_grads, grad_input, losses, largest = self._gradients(group, target_step, duplicate)
             else:
-                param_grads, grad_input, losses, _ = self._gradients_kept(group[0], kept)
+                param_grads, grad_input, losses, largest = self._gradients_kept(group[0], kept)
+            bound += largest
             total = param_grads if total is None else [_plus(a, b) for a, b in zip(total, param_grads, strict=True)]
             grad_input = None if grad_input is None else grad_input.detach().cpu()
             losses = None if losses is None else losses.cpu()
@@ -381,7 +310,7 @@ class StageExecutor(StageUpdates):
                 )
         if not duplicate:  # one add for the whole batch: all of it is accumulated, or (an error) none
             held = {t.request_id or f"anonymous-{id(t)}": Held(t.size, t.digest) for t in tasks}
-            self.acc.add(target_step, total or [], held)
+            self.acc.add(target_step, total or [], held, largest=bound)
         n = sum(t.size for t in tasks)
         elapsed = time.perf_counter() - start
         self._record(n, elapsed)

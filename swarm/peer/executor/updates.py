@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from swarm.core.checks import gradient_norm
 from swarm.peer.executor.accumulators import Accumulated, Holder
 from swarm.peer.ledger import LEDGER_STATE_STEPS
 from swarm.policy.ledger import Held, LedgerEntry, base_id, merge_parts
@@ -28,6 +29,7 @@ class HeldSnapshot:
     held: dict[str, Held]
     applied_step: int
     grad_norm: float = 0.0  # of its frozen mean gradient (0 while not frozen)
+    outlier_dropped: frozenset[str] = frozenset()  # what it dropped when the norm rule left it out
 
 
 @dataclass
@@ -65,14 +67,15 @@ class StageUpdates:
         so a peer frozen but busy elsewhere, e.g. catching up, is no member), or the one of the
         update just applied (a slower mate may still be fetching it); None otherwise."""
         acc = self.acc
-        taking_part = acc.frozen if self.averaging_step == step else None
-        frozen = next((f for f in (taking_part, acc.recent_frozen) if f is not None and f.step == step), None)
-        if frozen is None:
-            return None
-        if frozen.grads is None or frozen.samples == 0:
-            return Accumulated(None, 0, step), acc.epoch
-        flat = torch.cat([g.detach().reshape(-1).to(torch.float32) for g in frozen.grads]).cpu()
-        return Accumulated([flat], frozen.samples, step), acc.epoch
+        with acc.lock:  # any thread: the compute thread changes the accumulators under this lock
+            taking_part = acc.frozen if self.averaging_step == step else None
+            frozen = next((f for f in (taking_part, acc.recent_frozen) if f is not None and f.step == step), None)
+            if frozen is None:
+                return None
+            if frozen.grads is None or frozen.samples == 0:
+                return Accumulated(None, 0, step), acc.epoch
+            flat = torch.cat([g.detach().reshape(-1).to(torch.float32) for g in frozen.grads]).cpu()
+            return Accumulated([flat], frozen.samples, step), acc.epoch
 
     def set_mate_partial(self, peer_id: str, partial: Accumulated) -> bool:
         """Keep a stage-mate's gradient sum for the pending update (the caller checked shapes and
@@ -80,34 +83,49 @@ class StageUpdates:
         return self.lookahead.set_mate_partial(peer_id, partial, self.step)
 
     def contributions(self, step: int) -> HeldSnapshot:
-        """What this peer holds for update `step`, and whether it froze it (the stage's agreement)."""
-        acc = self.acc.pending(step)
-        frozen = self.acc.frozen is not None and self.acc.frozen.step == step
-        norm = self.acc.frozen.norm if frozen else 0.0
-        return HeldSnapshot(step, frozen, self.acc.epoch, dict(acc.held) if acc else {}, self.step, norm)
+        """What this peer holds for update `step`, and whether it froze it (the stage's agreement). Any
+        thread: a consistent snapshot under the accumulators' lock, without waiting for the compute
+        thread's batch (in async mode that wait was most of the agreement's 26 ms)."""
+        with self.acc.lock:
+            acc = self.acc.pending(step)
+            frozen = self.acc.frozen is not None and self.acc.frozen.step == step
+            norm = self.acc.frozen.norm if frozen else 0.0
+            dropped = frozenset(self.acc.outlier_dropped.get(step, ()))
+            held = dict(acc.held) if acc else {}
+            return HeldSnapshot(step, frozen, self.acc.epoch, held, self.step, norm, dropped)
+
+    def work_counters(self) -> dict[str, int]:
+        """The samples it computed (all, duplicates, spot checks): kept per stage when a peer moves."""
+        c = self.counters
+        return {"samples_processed": c.samples_processed, "duplicate_samples": c.duplicate_samples,
+                "check_samples": c.check_samples}  # fmt: skip
 
     # ---- updates and state (call these through `call`, or from the compute thread) ----
 
     def take_accumulated(self) -> Accumulated:
         """Freeze the accumulator of the next update; new gradients go into the one after. Its mean
         gradient's norm is what the stage's outlier rule compares (swarm.peer.agreement)."""
-        frozen = self.acc.freeze()
-        lie = self.lie  # a debug liar (swarm peer --debug-lie gradients)
-        if lie is not None and lie.mode == "gradients" and frozen.step >= lie.from_step and frozen.samples:
-            for g in frozen.grads:
-                g.mul_(1.0 + lie.scale)
-        total = sum(float(g.detach().double().pow(2).sum()) for g in frozen.grads)
-        frozen.norm = total**0.5 / max(1, frozen.samples)
-        return frozen
+        with self.acc.lock:  # readers see it frozen with its norm, never without
+            frozen = self.acc.freeze()
+            lie = self.lie  # a debug liar (swarm peer --debug-lie gradients)
+            if lie is not None and lie.mode == "gradients" and frozen.step >= lie.from_step and frozen.samples:
+                for g in frozen.grads:
+                    g.mul_(1.0 + lie.scale)
+            frozen.norm = gradient_norm(frozen.grads) / max(1, frozen.samples)
+            return frozen
 
     def unfreeze(self) -> None:
         """The stage was not ready to apply the frozen update after all: take requests for it again."""
         self.acc.unfreeze()
 
-    def drop_unapplied(self, elsewhere: dict[str, Holder] | None = None) -> int:
+    def drop_unapplied(self, elsewhere: dict[str, Holder] | None = None, outlier_step: int | None = None) -> int:
         """Drop the gradients this peer holds but has not applied (the trainers replay them); the
-        accumulator epoch changes. Returns the samples dropped."""
-        dropped = self.acc.drop_unapplied(elsewhere)
+        accumulator epoch changes. `outlier_step`: the norm rule left this peer out of that update
+        (what it held for it is reported: swarm.peer.agreement). Returns the samples dropped."""
+        if outlier_step is not None:
+            dropped = self.acc.drop_as_outlier(outlier_step)
+        else:
+            dropped = self.acc.drop_unapplied(elsewhere)
         self.counters.samples_discarded += dropped
         self.lookahead.reset()
         return dropped
@@ -136,14 +154,15 @@ class StageUpdates:
         norm = apply_update(self.optimizer, self.optim_cfg, step)
         for p in self.params:
             p.grad = None
-        self.step = step + 1
-        if contributions is None:
-            frozen = self.acc.pending(step)
-            contributions = dict(frozen.held) if frozen is not None else {}
-        entry = LedgerEntry(self.built.stage, step, merge_parts(contributions), list(members or []), time.time())
-        self.ledger.record(entry)
-        self.acc.mark_applied(step, contributions)
-        self._step_changed(drop_stale=False)
+        with self.acc.lock:  # the step and the accumulators change together for readers
+            self.step = step + 1
+            if contributions is None:
+                frozen = self.acc.pending(step)
+                contributions = dict(frozen.held) if frozen is not None else {}
+            entry = LedgerEntry(self.built.stage, step, merge_parts(contributions), list(members or []), time.time())
+            self.ledger.record(entry)
+            self.acc.mark_applied(step, contributions)
+            self._step_changed(drop_stale=False)
         return norm
 
     def local_step(self) -> tuple[int, float]:
@@ -170,6 +189,10 @@ class StageUpdates:
         """Load a stage's state (a mate's, or a checkpoint). Gradients this peer holds for updates
         the state already holds must be in those updates (its ledger says which): they are, or
         every unapplied gradient is dropped and replayed by the trainers. Returns the samples dropped."""
+        with self.acc.lock:  # the step and the accumulators change together for readers
+            return self._load_state_dict(state)
+
+    def _load_state_dict(self, state: dict) -> int:
         held = self.acc.unapplied_ids(below=int(state["step"]))
         # the moments under this peer's own hyperparameters (the run's; the learning rate is set at
         # every update), copied: a loaded tensor may share memory with another or be a broadcast view

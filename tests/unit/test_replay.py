@@ -1,0 +1,59 @@
+"""The trainer's replayer (swarm.trainer.replay) replays a held gradient when its holder dropped it,
+and only on evidence newer than the holder's answer."""
+
+import time
+
+import torch
+
+from swarm.cluster.view import PeerStatus
+from swarm.core.states import PeerState
+from swarm.policy.wiring import PeerLoad
+from swarm.trainer.microbatch import HeldBackward, Microbatch
+from swarm.trainer.replay import Replayer
+from swarm.wire.protocol import pb
+
+
+class _View:
+    """What the replayer reads of a trainer's view: peers by id, the accused, liveness."""
+
+    def __init__(self, status: PeerStatus) -> None:
+        self.peers = {"p": status}
+        self.accused: dict = {}
+
+    def is_live(self, status: PeerStatus) -> bool:
+        return True
+
+
+def test_a_holder_looks_like_it_dropped_the_gradient_only_on_an_info_asked_after_its_answer():
+    mb = Microbatch("t0/3/0", [0, 1], torch.zeros(2, 4), torch.zeros(2, 4), 3, 0)
+    status = PeerStatus(load=PeerLoad("p", 2, "127.0.0.1:1"), record_state=PeerState.ONLINE)
+    status.epoch = 4  # an Info answered before the drop the answer below came after
+    status.last_info_ok = status.info_asked = time.monotonic()
+    rec = HeldBackward(mb, 2, "p", 5, 3, pb.BackwardRequest(), {})  # held under epoch 5
+    replayer = Replayer(_View(status), None, None, "run", None, None)
+    status.epoch, status.info_asked = 6, time.monotonic() + 1
+    assert not replayer.lost(rec)  # answered a moment ago: not judged yet
+    rec.answered -= 2.0
+    status.epoch, status.info_asked = 4, rec.answered - 1
+    assert not replayer.lost(rec)  # stale: no replay (one would put the gradient on two peers)
+    status.info_asked = status.last_info_ok = time.monotonic() + 1  # asked after the answer: still 5
+    status.epoch = 5
+    assert not replayer.lost(rec)
+    status.epoch = 6  # asked after the answer, and it dropped since: replay
+    assert replayer.lost(rec)
+    status.load.stage = 1  # moved away: lost whatever the epoch says
+    status.epoch = 5
+    assert replayer.lost(rec)
+
+
+def test_a_holder_this_view_has_not_discovered_yet_gets_a_grace_period():
+    mb = Microbatch("t0/3/0", [0, 1], torch.zeros(2, 4), torch.zeros(2, 4), 3, 0)
+    status = PeerStatus(load=PeerLoad("p", 2, "127.0.0.1:1"), record_state=PeerState.ONLINE)
+    view = _View(status)
+    view.peers = {}  # the duplicate answer named "q", which this view does not know yet
+    rec = HeldBackward(mb, 2, "q", 0, 3, pb.BackwardRequest(), {})
+    replayer = Replayer(view, None, None, "run", None, None)
+    rec.answered -= 2.0
+    assert not replayer.lost(rec)
+    rec.answered -= 10.0
+    assert replayer.lost(rec)  # still unknown long after: gone
