@@ -114,7 +114,9 @@ class StageService:
             t = None if targets is None else targets[offset : offset + n]
             if kind == "forward":
                 fkey = f"{msg.request_id}#{index}" if acc["streamed"] else msg.request_id
-                future = executor.forward(x, t, validation=msg.validation, tag=int(msg.step), key=fkey, inline=True)
+                future = executor.forward(
+                    x, t, validation=msg.validation, tag=int(msg.step), key=fkey, inline=True, reference=msg.reference
+                )
                 result = future.result() if future.done() else await asyncio.wrap_future(future)
                 out = result.output
             else:
@@ -124,7 +126,7 @@ class StageService:
                 fkey = f"{msg.forward_id}#{index}" if acc["streamed"] and msg.forward_id else msg.forward_id
                 future = executor.backward(
                     x, grad, t, key, int(msg.step), int(msg.samples_digest), check_only=msg.check_only,
-                    forward_key=fkey,
+                    forward_key=fkey, reference=msg.reference,
                 )  # fmt: skip
                 result = await asyncio.wrap_future(future)
                 if self.serving.on_accumulated is not None and not result.duplicate:
@@ -138,6 +140,10 @@ class StageService:
             if result.loss is not None:
                 acc["loss_sum"] = acc.get("loss_sum", 0.0) + float(result.loss.double().sum())
             acc["samples"] = acc.get("samples", 0) + n
+            # the parameters it was computed at; -1 when a streamed request's parts straddle an update
+            params = acc.setdefault("params", (result.params_step, result.predicted))
+            if params != (result.params_step, result.predicted):
+                acc["params"] = (-1, True)
             acc["compute_s"] = acc.get("compute_s", 0.0) + result.compute_s
             if out is not None and self.serving.lie is not None:
                 out = self.serving.lie.perturb(out, executor.step)
@@ -178,6 +184,7 @@ class StageService:
         """The response message; the output's data inline unless streamed (or `inline_data` False)."""
         cls = pb.ForwardResponse if kind == "forward" else pb.BackwardResponse
         response = cls(request_id=msg.request_id, peer_step=executor.step, compute_s=acc.get("compute_s", 0.0))
+        response.params_step, response.predicted = acc.get("params", (executor.step, False))
         if "loss_sum" in acc:
             response.loss = acc["loss_sum"] / max(1, acc["samples"])
         if kind == "backward":

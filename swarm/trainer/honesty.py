@@ -2,8 +2,10 @@
 
 A trainer spot-checks a random fraction (--spot-check) of the forward outputs and input gradients it
 receives: it sends the same request to another peer of the stage (a backward as `check_only`: the
-input gradient only, nothing accumulated) and compares the answers within a tolerance that allows
-for the codec and, in async mode, for peers predicting the pending update from different gradients.
+input gradient only, nothing accumulated) as a reference request (at the peer's applied parameters,
+no async look-ahead: honest mates predict the pending update from different gradients) and compares
+the answers of one parameter step within a tolerance that allows for the codec; a first answer that
+was computed at predicted parameters is judged by its peer's reference answer.
 On a mismatch a third peer decides: the peer that disagrees with the two others is the liar. The
 trainer bans it at once (its answer is replaced by the majority's; the gradients it held are
 replayed on its mates) and publishes a signed accusation with the evidence (digests of the input
@@ -41,7 +43,8 @@ from swarm.wire.tensors import WireTensor
 logger = logging.getLogger(__name__)
 
 # relative L2 difference two honest answers may show: float nondeterminism, the reply codec's
-# rounding (both answers are encoded), and in async mode different look-ahead predictions
+# rounding (both answers are encoded), and in async mode answers of neighbouring steps (answers are
+# asked again until they are of one step, at most STEP_ROUNDS times)
 CODEC_TOLERANCE = {pb.CODEC_NONE: 1e-3, pb.CODEC_FP16: 5e-3, pb.CODEC_BF16: 3e-2, pb.CODEC_INT8_BLOCK: 6e-2}
 ASYNC_TOLERANCE = 0.1
 ACCUSATION_TTL_S = 600.0
@@ -139,6 +142,7 @@ class Honesty(AccusationVerifier):
         copy = type(request)()
         copy.CopyFrom(request)
         copy.request_id = f"{request.request_id}:check{self._checks}"
+        copy.reference = True  # at the applied parameters: an async look-ahead differs between honest mates
         if kind == "backward":
             copy.check_only = True
             copy.contribution_id = ""
@@ -150,6 +154,8 @@ class Honesty(AccusationVerifier):
         must cover every peer of the stage); None when there is none."""
         eligible = self.router.wiring.eligible(self.view.stage_loads(stage), time.monotonic(), exclude)
         others = {p.peer_id for p in eligible}
+        if not others:
+            return None  # no other usable peer: asking anyway made the only one compute it twice
         if len(others) > 1:
             others.discard(self.rng.choice(sorted(others)))  # every other eligible peer is left out
         else:
@@ -176,9 +182,17 @@ class Honesty(AccusationVerifier):
         second = await self._other(stage, kind, request, tensors, samples, {peer.peer_id})
         if second is None:
             return first
+        mine_at = (mine, int(response.params_step))
+        if response.predicted:
+            # an async look-ahead answer: each honest peer predicts from the gradients it holds, so the
+            # first peer is judged by its reference answer (at its applied parameters) instead
+            mine_at = await self._probe(peer.address, Probe(kind, request, tensors, samples))
+            if mine_at is None:
+                return first
+            mine = mine_at[0]
         self.stats.spot_checks += 1
         theirs = answer(kind, second[0], second[1])
-        pair = [(mine, int(response.peer_step)), (theirs, int(second[0].peer_step))]
+        pair = [mine_at, (theirs, int(second[0].params_step))]
         if theirs is not None and not self._agree(mine, theirs):
             # in async mode a peer that applied an update a moment before its mate answers with
             # other parameters: the two are asked again until they answer at one step
@@ -195,7 +209,7 @@ class Honesty(AccusationVerifier):
             return first
         if theirs is not None:
             trio = await self._at_one_step(
-                kind, request, tensors, [peer, second[2], third[2]], [*pair, (verdict, int(third[0].peer_step))]
+                kind, request, tensors, [peer, second[2], third[2]], [*pair, (verdict, int(third[0].params_step))]
             )
             (mine, _), (theirs, _), (verdict, _) = trio
         first_ok = relative_error(mine, verdict) <= self.tolerance

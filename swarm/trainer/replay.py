@@ -109,11 +109,24 @@ class Replayer:
             return True
         return status.last_info_ok > 0 and status.info_asked > rec.answered and status.epoch != rec.epoch
 
-    async def replay(self, rec: HeldBackward) -> None:
-        rec.replays += 1
+    def _replay_exclude(self, rec: HeldBackward) -> set[str]:
+        """Where a replay must not go: the holder, unless it is live and the stage's only usable
+        peer. A live holder that dropped the gradient may have been left out of the update by the
+        stage's outlier rule (swarm.peer.agreement): replayed on it again, the same samples gave it
+        the same outlying norm, and the stage looped (75 s in one run) until a replay chanced on a
+        mate. (A dropped duplicate's other contributions may go anywhere: a mate that already holds
+        one answers "duplicate".)"""
         status = self.view.peers.get(rec.holder)
         gone = status is None or not self.view.is_live(status) or rec.holder in self.view.accused
-        exclude = {rec.holder} if gone else set()
+        mates = [
+            p for p in self.view.stage_peers(rec.stage)
+            if p.peer_id != rec.holder and self.view.is_live(p) and p.peer_id not in self.view.accused
+        ]  # fmt: skip
+        return {rec.holder} if gone or mates else set()
+
+    async def replay(self, rec: HeldBackward) -> None:
+        rec.replays += 1
+        exclude = self._replay_exclude(rec)
         try:
             response, _, peer = await self.router.call(
                 rec.stage, rec.request, rec.tensors, rec.mb.samples, "backward", exclude=exclude

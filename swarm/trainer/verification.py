@@ -135,8 +135,9 @@ class AccusationVerifier:
             return peer.step
 
     async def _probe(self, address: str, probe: Probe, step: int | None = None) -> tuple[torch.Tensor, int] | None:
-        """The answer of the peer at `address` to `probe` (for `step`, if given), and the step it
-        was at."""
+        """The reference answer of the peer at `address` to `probe` (for `step`, if given: the
+        request's step, which a peer admits only when it is near its own), and the update count of
+        the parameters it was computed at."""
         request = self._check_request(probe.kind, probe.request)
         if step is not None:
             request.step = step
@@ -146,4 +147,4 @@ class AccusationVerifier:
             logger.info("verifying an accusation: %s did not answer (%s)", address, e)
             return None
         got = answer(probe.kind, response, output)
-        return None if got is None else (got, int(response.peer_step))
+        return None if got is None else (got, int(response.params_step))

@@ -99,8 +99,14 @@ def test_run_ahead_backward_uses_the_predicted_parameters(predict):
         # forward of a run-ahead microbatch: the same parameters; validation: the current ones
         fwd = ex.forward(h1, y1, tag=1).result(timeout=30)
         assert float(fwd.loss.sum()) == pytest.approx(want_loss, rel=1e-5)
+        assert (fwd.params_step, fwd.predicted, ahead.params_step, ahead.predicted) == (0, predict, 0, predict)
         val = ex.forward(h1, y1, validation=True, tag=1).result(timeout=30)
         _, current_loss = _grads_at(ex.module, current, h1, y1)
+        # a spot check's reference answer: the applied parameters, whatever the step it is for
+        ref = ex.forward(h1, y1, tag=1, reference=True).result(timeout=30)
+        assert float(ref.loss.sum()) == pytest.approx(current_loss, rel=1e-5) and not ref.predicted
+        ref_back = ex.backward(h1, None, y1, "ref", 1, check_only=True, reference=True).result(timeout=30)
+        assert float(ref_back.loss.sum()) == pytest.approx(current_loss, rel=1e-5) and not ref_back.predicted
         # dropout is off in this model, so train and eval mode agree
         assert float(val.loss.sum()) == pytest.approx(current_loss, rel=1e-5)
 

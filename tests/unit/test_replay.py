@@ -23,6 +23,9 @@ class _View:
     def is_live(self, status: PeerStatus) -> bool:
         return True
 
+    def stage_peers(self, stage: int) -> list[PeerStatus]:
+        return [s for s in self.peers.values() if s.stage == stage]
+
 
 def test_a_holder_looks_like_it_dropped_the_gradient_only_on_an_info_asked_after_its_answer():
     mb = Microbatch("t0/3/0", [0, 1], torch.zeros(2, 4), torch.zeros(2, 4), 3, 0)
@@ -57,3 +60,20 @@ def test_a_holder_this_view_has_not_discovered_yet_gets_a_grace_period():
     assert not replayer.lost(rec)
     rec.answered -= 10.0
     assert replayer.lost(rec)  # still unknown long after: gone
+
+
+def test_a_replay_goes_to_a_mate_of_a_live_holder_that_dropped_it():
+    """The outlier rule leaves a peer out and it drops what it holds: replayed on the same peer,
+    the same samples gave the same outlying norm again and again (a 75 s loop in one run)."""
+    mb = Microbatch("t0/3/0", [0, 1], torch.zeros(2, 4), torch.zeros(2, 4), 3, 0)
+    status = PeerStatus(load=PeerLoad("p", 2, "127.0.0.1:1"), record_state=PeerState.ONLINE)
+    view = _View(status)
+    rec = HeldBackward(mb, 2, "p", 5, 3, pb.BackwardRequest(), {})
+    replayer = Replayer(view, None, None, "run", None, None)
+    assert replayer._replay_exclude(rec) == set()  # the stage's only peer: it takes the replay
+    view.peers["q"] = PeerStatus(load=PeerLoad("q", 2, "127.0.0.1:2"), record_state=PeerState.ONLINE)
+    assert replayer._replay_exclude(rec) == {"p"}  # a mate takes it
+    view.accused["q"] = object()
+    assert replayer._replay_exclude(rec) == set()  # an accused mate takes no work
+    view.accused = {"p": object()}
+    assert replayer._replay_exclude(rec) == {"p"}

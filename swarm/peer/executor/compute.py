@@ -108,10 +108,14 @@ class StageExecutor(StageUpdates, ComputeThread):
         tag: int = 0,
         key: str = "",
         inline: bool = False,
+        reference: bool = False,
     ) -> concurrent.futures.Future:
         """`key`: a training forward's id, under which its activations may be kept for its backward.
-        `inline`: a cheap forward may run on this thread (swarm.peer.executor.thread)."""
-        task = Task(EVAL if validation else FORWARD, inputs, targets, request_id=key, tag=tag)
+        `inline`: a cheap forward may run on this thread (swarm.peer.executor.thread). `reference`:
+        a spot check's answer, at the applied parameters (no look-ahead), kept for no backward."""
+        key = "" if reference else key
+        kind = EVAL if validation else FORWARD
+        task = Task(kind, inputs, targets, request_id=key, tag=tag, reference=reference)
         return self.submit_or_run(task, inline)
 
     def backward(
@@ -124,14 +128,16 @@ class StageExecutor(StageUpdates, ComputeThread):
         digest: int = 0,
         check_only: bool = False,
         forward_key: str = "",
+        reference: bool = False,
     ) -> concurrent.futures.Future:
         """Accumulate the gradient of (inputs, grad_output or targets) into update `tag`, once per
         `request_id` (a contribution part id). `check_only`: a trainer's spot check of a mate's answer:
         the input gradient only, nothing accumulated. `forward_key`: the forward of this microbatch,
-        whose kept activations spare the recompute if this peer ran it."""
+        whose kept activations spare the recompute if this peer ran it. `reference` (with
+        `check_only`): at the applied parameters, no look-ahead."""
         task = Task(
             BACKWARD, inputs, targets, grad_output, request_id, tag, digest=digest, check_only=check_only,
-            forward_key=forward_key,
+            forward_key=forward_key, reference=reference and check_only,
         )  # fmt: skip
         return self.submit(task)
 
@@ -162,13 +168,16 @@ class StageExecutor(StageUpdates, ComputeThread):
             rate = samples / seconds
             self.throughput_ema = rate if self.throughput_ema is None else 0.9 * self.throughput_ema + 0.1 * rate
 
-    def _parameters_for(self, step: int, gradient_samples: int = 0):
+    def _parameters_for(self, step: int, gradient_samples: int = 0, reference: bool = False):
         """Compute a microbatch whose gradient goes into update `step` at the parameters expected just
-        before that update: the current ones if `step` is the next update to apply, else (async
-        look-ahead) the pending update applied with the expected mean gradient."""
-        ahead = self.predict_params and step > self.step
+        before that update: the current ones if `step` is the next update to apply (or for a
+        `reference` answer), else (async look-ahead) the pending update applied with the expected
+        mean gradient. A context manager; yields whether the parameters are a prediction."""
+        ahead = self.predict_params and step > self.step and not reference
         own = self.acc.pending(self.step) if ahead else None
-        return self.lookahead.parameters_for(own, self.step, gradient_samples) if ahead else contextlib.nullcontext()
+        if not ahead:
+            return contextlib.nullcontext(False)
+        return self.lookahead.parameters_for(own, self.step, gradient_samples)
 
     def _keeps_activations(self, step: int) -> bool:
         """Whether work for update `step` runs at the current parameters, the only ones a kept graph
@@ -192,6 +201,7 @@ class StageExecutor(StageUpdates, ComputeThread):
         start = time.perf_counter()
         self.module.train(train)
         step = max(tasks[0].tag, self.acc.accumulating_step) if train else 0
+        predicted = False
         if train and self._keeps_activations(step) and any(t.request_id for t in tasks):
             # one graph per microbatch: its backward comes alone
             parts = [self._forward_kept(t) for t in tasks]
@@ -199,7 +209,7 @@ class StageExecutor(StageUpdates, ComputeThread):
         else:
             x = self._cat([t.inputs for t in tasks])
             targets = self._cat([t.targets for t in tasks]) if self.is_last else None
-            with torch.no_grad(), self._parameters_for(step):
+            with torch.no_grad(), self._parameters_for(step, 0, tasks[0].reference) as predicted:
                 out = self._call_module(x, targets)
         if not all_finite(out):
             raise NonFiniteResult(f"stage {self.built.stage} produced NaN or infinity in its forward pass")
@@ -215,20 +225,21 @@ class StageExecutor(StageUpdates, ComputeThread):
             part = out[offset : offset + task.size]
             offset += task.size
             share = elapsed * task.size / max(1, total)
-            task.future.set_result(
-                ForwardResult(None, part, share) if self.is_last else ForwardResult(part, None, share)
-            )
+            output, loss = (None, part) if self.is_last else (part, None)
+            task.future.set_result(ForwardResult(output, loss, share, self.step, predicted))
 
     def _gradients(self, tasks: list[Task], target_step: int, duplicate: bool):
-        """(parameter gradients, input gradient, per-sample losses, batch size) of one batch,
-        recomputing its forward from the inputs the requests carry."""
+        """(parameter gradients, input gradient, per-sample losses, bound on |gradient elements|,
+        whether computed at predicted parameters) of one batch, recomputing its forward from the
+        inputs the requests carry."""
         x = self._cat([t.inputs for t in tasks])
         targets = self._cat([t.targets for t in tasks]) if self.is_last else None
         grad_out = None if self.is_last else self._cat([t.grad_output for t in tasks])
         if self.inputs_are_float:
             x = x.detach().requires_grad_(True)
         self.module.train(True)
-        with torch.enable_grad(), self._parameters_for(target_step, 0 if duplicate else x.shape[0]):
+        samples = 0 if duplicate else x.shape[0]
+        with torch.enable_grad(), self._parameters_for(target_step, samples, tasks[0].reference) as predicted:
             out = self._call_module(x, targets)
             if self.is_last:
                 objective, grad_seed, losses = out.sum(), None, out.detach()
@@ -240,7 +251,7 @@ class StageExecutor(StageUpdates, ComputeThread):
             grads = torch.autograd.grad(objective, wrt, grad_outputs=grad_seed, allow_unused=True) if wrt else []
         param_grads = [] if duplicate else list(grads[: len(self.params)])
         grad_input = grads[-1] if self.inputs_are_float else None
-        return param_grads, grad_input, losses, self._check_gradients(param_grads, grad_input)
+        return param_grads, grad_input, losses, self._check_gradients(param_grads, grad_input), predicted
 
     def _gradients_kept(self, task: Task, kept: Kept):
         """The same from a kept forward: the backward pass only."""
@@ -250,7 +261,7 @@ class StageExecutor(StageUpdates, ComputeThread):
             grads = torch.autograd.grad(kept.output, wrt, grad_outputs=grad_out, allow_unused=True)
         param_grads = list(grads[: len(self.params)])
         grad_input = grads[-1] if self.inputs_are_float else None
-        return param_grads, grad_input, None, self._check_gradients(param_grads, grad_input)
+        return param_grads, grad_input, None, self._check_gradients(param_grads, grad_input), False
 
     def _check_gradients(self, param_grads: list[torch.Tensor | None], grad_input: torch.Tensor | None) -> float:
         """NonFiniteResult unless every gradient is finite; a bound on the |elements| of the parameters' (abs_bound)."""
@@ -292,12 +303,14 @@ class StageExecutor(StageUpdates, ComputeThread):
         answers: list[tuple[Task, torch.Tensor | None, torch.Tensor | None]] = []
         total: list[torch.Tensor | None] | None = None  # the batch's parameter gradients, summed over groups
         bound = 0.0  # no element of `total` is larger: the groups' largest |elements| summed
+        predicted = False  # any group computed at look-ahead parameters
         for group, kept in self._backward_groups(tasks, target_step, duplicate):
             if kept is None:
-                param_grads, grad_input, losses, largest = self._gradients(group, target_step, duplicate)
+                param_grads, grad_input, losses, largest, ahead = self._gradients(group, target_step, duplicate)
             else:
-                param_grads, grad_input, losses, largest = self._gradients_kept(group[0], kept)
+                param_grads, grad_input, losses, largest, ahead = self._gradients_kept(group[0], kept)
             bound += largest
+            predicted = predicted or ahead
             total = param_grads if total is None else [_plus(a, b) for a, b in zip(total, param_grads, strict=True)]
             grad_input = None if grad_input is None else grad_input.detach().cpu()
             losses = None if losses is None else losses.cpu()
@@ -321,5 +334,7 @@ class StageExecutor(StageUpdates, ComputeThread):
         for task, grad_input, losses in answers:
             share = elapsed * task.size / max(1, n)
             task.future.set_result(
-                BackwardResult(grad_input, losses, target_step, duplicate, share, self.acc.epoch, holder)
+                BackwardResult(
+                    grad_input, losses, target_step, duplicate, share, self.acc.epoch, holder, self.step, predicted
+                )
             )

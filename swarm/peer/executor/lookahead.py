@@ -59,12 +59,13 @@ class LookAhead:
         return True
 
     @contextlib.contextmanager
-    def parameters_for(self, own: Accumulated | None, pending_step: int, gradient_samples: int) -> Iterator[None]:
+    def parameters_for(self, own: Accumulated | None, pending_step: int, gradient_samples: int) -> Iterator[bool]:
         """Swap the predicted parameters of update `pending_step` in for the duration of one batch
-        (`own`: this peer's gradients for it); a no-op when nothing can be predicted yet."""
+        (`own`: this peer's gradients for it); a no-op when nothing can be predicted yet. Yields
+        whether it did."""
         predicted = self.predicted(own, pending_step)
         if predicted is None:
-            yield
+            yield False
             return
         self.counters.predicted_samples += gradient_samples
         if len(self._prediction[0][2]) > 0:  # the cache key lists the mates' sums it used
@@ -73,7 +74,7 @@ class LookAhead:
         for p, q in zip(self.params, predicted, strict=True):
             p.data = q
         try:
-            yield
+            yield True
         finally:
             for p, d in zip(self.params, saved, strict=True):
                 p.data = d

@@ -29,6 +29,7 @@ class Task:
     digest: int = 0  # backward: the contribution's sample digest, for the ledger
     check_only: bool = False  # backward: a spot check (the input gradient only, nothing accumulated)
     forward_key: str = ""  # backward: the forward whose kept activations it may use
+    reference: bool = False  # a spot check's reference answer: at the applied parameters, no look-ahead
     fn: Callable[[], Any] | None = None
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     enqueued: float = field(default_factory=time.perf_counter)
@@ -46,7 +47,8 @@ class Task:
     def batch_key(self) -> tuple:
         x, t = self.inputs, self.targets
         tag = self.tag if self.kind in (FORWARD, BACKWARD) else 0
-        return (self.kind, x.dtype, tuple(x.shape[1:]), None if t is None else tuple(t.shape[1:]), tag)
+        shapes = (tuple(x.shape[1:]), None if t is None else tuple(t.shape[1:]))
+        return (self.kind, x.dtype, *shapes, tag, self.reference)
 
 
 @dataclass
@@ -54,6 +56,8 @@ class ForwardResult:
     output: torch.Tensor | None  # None on the last stage
     loss: torch.Tensor | None  # per-sample losses on the last stage
     compute_s: float
+    params_step: int = 0  # the updates applied to the parameters it was computed at
+    predicted: bool = False  # ... with the async look-ahead's predicted update on top
 
 
 @dataclass
@@ -65,6 +69,8 @@ class BackwardResult:
     compute_s: float
     epoch: int = 0  # this peer's accumulator epoch
     holder: Holder | None = None  # a duplicate: who holds the contribution ("" peer id: this peer)
+    params_step: int = 0  # as in ForwardResult
+    predicted: bool = False
 
 
 def take_batch(queue: collections.deque[Task], max_samples: int, is_duplicate: Callable[[Task], bool]) -> list[Task]:
