@@ -85,6 +85,18 @@ async def abort(context, e: BaseException):
     await context.abort(code, details, trailing_metadata=metadata)
 
 
+def _add_part(acc: dict, result, samples: int) -> None:
+    """A computed part's figures into the request's: loss, samples, compute time, and the parameters
+    it was computed at (-1 when a streamed request's parts straddle an update)."""
+    if result.loss is not None:
+        acc["loss_sum"] = acc.get("loss_sum", 0.0) + float(result.loss.double().sum())
+    acc["samples"] = acc.get("samples", 0) + samples
+    params = acc.setdefault("params", (result.params_step, result.predicted))
+    if params != (result.params_step, result.predicted):
+        acc["params"] = (-1, True)
+    acc["compute_s"] = acc.get("compute_s", 0.0) + result.compute_s
+
+
 class StageService:
     def __init__(self, serving: ServingState, limits: Limits) -> None:
         self.serving = serving
@@ -137,14 +149,7 @@ class StageService:
                 acc["epoch"] = result.epoch
                 if result.holder is not None:
                     acc["holder"] = result.holder
-            if result.loss is not None:
-                acc["loss_sum"] = acc.get("loss_sum", 0.0) + float(result.loss.double().sum())
-            acc["samples"] = acc.get("samples", 0) + n
-            # the parameters it was computed at; -1 when a streamed request's parts straddle an update
-            params = acc.setdefault("params", (result.params_step, result.predicted))
-            if params != (result.params_step, result.predicted):
-                acc["params"] = (-1, True)
-            acc["compute_s"] = acc.get("compute_s", 0.0) + result.compute_s
+            _add_part(acc, result, n)
             if out is not None and self.serving.lie is not None:
                 out = self.serving.lie.perturb(out, executor.step)
             if out is not None:
