@@ -510,7 +510,9 @@ def update_timeline(counters: list[dict]) -> dict:
     """Where the stages' step time went (swarm.peer.stepping.UpdateTimeline), over every peer: ms per
     update of freezing, waiting for mates still taking samples, agreeing, the all-reduce and applying,
     the mean interval between updates, and the share of it the update took (the rest: compute and
-    waiting for samples). `averaging_share`: agreeing + the all-reduce; `wait_share`: the stragglers."""
+    waiting for samples). `averaging_share`: agreeing + the all-reduce + the rounds that failed and
+    were tried again (`failed_ms`: per update, whatever they spent: a round that found a mate not
+    frozen yet, a duplicate to drop, a failed transfer); `wait_share`: the stragglers."""
     parts = ("freeze_s", "wait_mates_s", "agree_s", "allreduce_s", "apply_s")
     lines = [c.get("update_timeline") or {} for c in counters]
     updates = sum(t.get("updates", 0) for t in lines)
@@ -519,10 +521,14 @@ def update_timeline(counters: list[dict]) -> dict:
         return {}
     out = {p.removesuffix("_s") + "_ms": round(1000 * sum(t.get(p, 0.0) for t in lines) / updates, 2) for p in parts}
     out["interval_ms"] = round(1000 * sum(t.get("interval_s", 0.0) for t in lines) / intervals, 2)
-    out["update_share"] = round(sum(out[p.removesuffix("_s") + "_ms"] for p in parts) / out["interval_ms"], 4)
-    out["averaging_share"] = round((out["agree_ms"] + out["allreduce_ms"]) / out["interval_ms"], 4)
+    failed_s = sum(t.get("failed_round_s", 0.0) for t in lines)
+    out["failed_ms"] = round(1000 * failed_s / updates, 2)
+    spent = sum(out[p.removesuffix("_s") + "_ms"] for p in parts) + out["failed_ms"]
+    out["update_share"] = round(spent / out["interval_ms"], 4)
+    averaging = out["agree_ms"] + out["allreduce_ms"] + out["failed_ms"]
+    out["averaging_share"] = round(averaging / out["interval_ms"], 4)
     out["wait_share"] = round(out["wait_mates_ms"] / out["interval_ms"], 4)
-    out["failed_round_s"] = round(sum(t.get("failed_round_s", 0.0) for t in lines), 3)
+    out["failed_round_s"] = round(failed_s, 3)
     return out
 
 
@@ -701,9 +707,9 @@ def print_table(cfg: BenchConfig, rows: list[Result], figures: dict, wall_s: flo
         tl = r.extra.get("update_timeline") or {}
         if tl:
             note = (note + "; " if note else "") + (
-                f"update {tl['update_share']:.0%} of a step (all-reduce {tl['allreduce_ms']:.0f} ms, agree "
-                f"{tl['agree_ms']:.0f} ms, waiting for mates {tl['wait_mates_ms']:.0f} ms "
-                f"of {tl['interval_ms']:.0f} ms)"
+                f"update {tl['update_share']:.0%} of a step, averaging {tl['averaging_share']:.1%} (all-reduce "
+                f"{tl['allreduce_ms']:.0f} ms, agree {tl['agree_ms']:.0f} ms, failed rounds {tl['failed_ms']:.0f} ms, "
+                f"waiting for mates {tl['wait_mates_ms']:.0f} ms of {tl['interval_ms']:.0f} ms)"
             )
         if "trainer_idle_share" in r.extra:
             note = (note + "; " if note else "") + f"trainer idle {r.extra['trainer_idle_share']:.0%}"
