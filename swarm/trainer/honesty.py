@@ -156,10 +156,7 @@ class Honesty(AccusationVerifier):
         others = {p.peer_id for p in eligible}
         if not others:
             return None  # no other usable peer: asking anyway made the only one compute it twice
-        if len(others) > 1:
-            others.discard(self.rng.choice(sorted(others)))  # every other eligible peer is left out
-        else:
-            others = set()
+        others.discard(self.rng.choice(sorted(others)))  # the one asked: every other eligible peer is left out
         try:
             response, output, peer = await self.router.call(
                 stage, self._check_request(kind, request), tensors, samples, kind, exclude=exclude | others,

@@ -117,12 +117,12 @@ class Replayer:
         mate. (A dropped duplicate's other contributions may go anywhere: a mate that already holds
         one answers "duplicate".)"""
         status = self.view.peers.get(rec.holder)
-        gone = status is None or not self.view.is_live(status) or rec.holder in self.view.accused
-        mates = [
-            p for p in self.view.stage_peers(rec.stage)
-            if p.peer_id != rec.holder and self.view.is_live(p) and p.peer_id not in self.view.accused
-        ]  # fmt: skip
-        return {rec.holder} if gone or mates else set()
+        if status is None or not self.view.is_live(status) or rec.holder in self.view.accused:
+            return {rec.holder}  # gone
+        usable = (
+            p for p in self.view.stage_peers(rec.stage) if self.view.is_live(p) and p.peer_id not in self.view.accused
+        )
+        return {rec.holder} if any(p.peer_id != rec.holder for p in usable) else set()
 
     async def replay(self, rec: HeldBackward) -> None:
         rec.replays += 1

@@ -3,6 +3,7 @@ answered out of order; a malformed, oversized or stalled frame closes only its c
 connection fails the calls waiting on it, and the next call reconnects."""
 
 import asyncio
+import contextlib
 import socket
 import struct
 
@@ -27,17 +28,22 @@ def run(coro):
     return asyncio.run(coro)
 
 
-async def serving(max_bytes=1 << 20, read_timeout_s=5.0):
-    server = LaneServer(echo, max_bytes, read_timeout_s)
+@contextlib.asynccontextmanager
+async def lane(handler=echo, read_timeout_s=5.0):
+    """A LaneServer on loopback and a client of it, both closed at the end."""
+    server = LaneServer(handler, 1 << 20, read_timeout_s)
     port = await server.start("127.0.0.1", 0)
-    return server, port
+    client = LaneClient("127.0.0.1", port, 1 << 20)
+    try:
+        yield server, port, client
+    finally:
+        await client.close()
+        await server.stop()
 
 
 def test_calls_are_multiplexed_and_answered_out_of_order():
     async def main():
-        server, port = await serving()
-        client = LaneClient("127.0.0.1", port, 1 << 20)
-        try:
+        async with lane() as (server, _, client):
             big = bytes(range(256)) * 2048  # 512 KiB: sent segment by segment
             slow = asyncio.create_task(client.call("backward", [b"slow"], 0, 5))
             fast = await client.call("forward", [b"x", big], STREAMED, 5)
@@ -47,24 +53,16 @@ def test_calls_are_multiplexed_and_answered_out_of_order():
             error = await client.call("forward", [b"fail"], 0, 5)
             assert (error.status, bytes(error.segments[0]), error.flags) == (8, b"busy", RETRY)
             assert server.calls == 3
-        finally:
-            await client.close()
-            await server.stop()
 
     run(main())
 
 
 def test_a_call_past_its_deadline_times_out_and_the_connection_stays_usable():
     async def main():
-        server, port = await serving()
-        client = LaneClient("127.0.0.1", port, 1 << 20)
-        try:
+        async with lane() as (_, _, client):
             with pytest.raises(TimeoutError):
                 await client.call("forward", [b"slow"], 0, 0.05)
             assert (await client.call("forward", [b"ok"], 0, 5)).segments[2] == b"ok"
-        finally:
-            await client.close()
-            await server.stop()
 
     run(main())
 
@@ -85,41 +83,36 @@ def _raw_frame(magic=MAGIC, kind=1, count=1, lengths=(3,), body=b"abc"):
 )
 def test_a_bad_frame_closes_its_connection_and_the_server_keeps_serving(frame):
     async def main():
-        server, port = await serving(read_timeout_s=0.5)
         loop = asyncio.get_running_loop()
-        raw = socket.create_connection(("127.0.0.1", port))
-        raw.setblocking(False)
-        client = LaneClient("127.0.0.1", port, 1 << 20)
-        try:
-            await loop.sock_sendall(raw, frame)
-            try:  # closed by the server (reset when it left our bytes unread)
-                assert await asyncio.wait_for(loop.sock_recv(raw, 100), 5) == b""
-            except ConnectionResetError:
-                pass
+        async with lane(read_timeout_s=0.5) as (_, port, client):
+            with socket.create_connection(("127.0.0.1", port)) as raw:
+                raw.setblocking(False)
+                await loop.sock_sendall(raw, frame)
+                try:  # closed by the server (reset when it left our bytes unread)
+                    assert await asyncio.wait_for(loop.sock_recv(raw, 100), 5) == b""
+                except ConnectionResetError:
+                    pass
             assert (await client.call("forward", [b"ok"], 0, 5)).segments[2] == b"ok"
-        finally:
-            raw.close()
-            await client.close()
-            await server.stop()
 
     run(main())
 
 
 def test_a_lost_connection_fails_the_waiting_calls_and_the_next_call_reconnects():
     async def main():
-        server, port = await serving()
-        client = LaneClient("127.0.0.1", port, 1 << 20)
-        try:
+        arrived = asyncio.Event()
+
+        async def handler(kind, segments, flags, client):
+            arrived.set()  # the call is on the server: its connection is open
+            return await echo(kind, segments, flags, client)
+
+        async with lane(handler) as (server, _, client):
             waiting = asyncio.create_task(client.call("forward", [b"slow"], 0, 5))
-            await asyncio.sleep(0.05)
+            await asyncio.wait_for(arrived.wait(), 5)
             for task in list(server._connections):  # the peer's side of the connection goes away
                 task.cancel()
             with pytest.raises(ConnectionError):
                 await waiting
             assert (await client.call("forward", [b"again"], 0, 5)).segments[2] == b"again"
-        finally:
-            await client.close()
-            await server.stop()
 
     run(main())
 
