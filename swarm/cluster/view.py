@@ -193,7 +193,7 @@ class SwarmView:
                 self.peers[peer_id].record_state = PeerState.OFFLINE
 
     def _read_dht(self) -> tuple[dict[int, list[PeerEntry]], list[AccusationRecord]]:
-        return self.dht.get_all_stages(self.num_stages), self.dht.get_accusations()
+        return self.dht.read_view(self.num_stages)
 
     async def refresh_dht(self) -> None:
         loop = asyncio.get_running_loop()

@@ -8,6 +8,7 @@ Values stay small (hundreds of bytes): the DHT carries no tensors.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 from collections import OrderedDict
@@ -39,6 +40,21 @@ logger = logging.getLogger(__name__)
 # The registry of runs on a DHT: subkey = the publisher's key, value = a run id. Not of the form
 # `{run}_{field}`, so no run's records can collide with it.
 RUNS_KEY = "swarm-runs"
+
+# Every record is stored on the REPLICAS nodes nearest to its key (hivemind's num_replicas; the
+# polling budget of swarm.policy.polling assumes the same), and every search keeps a beam of that
+# many nodes. hivemind's default beam is its bucket size (20): on a DHT of up to 20 nodes, every
+# get and every store asked every node, and that traffic cost 1.27 cores on a 15-node local swarm
+# doing what peers do (scripts/bench_dht.py); with this beam, and a view's keys read in one
+# traversal (`read_view`), 0.52.
+REPLICAS = 5
+SEARCH = {"beam_size": REPLICAS}
+
+
+async def _get_latest_many(_dht: DHT, node, keys: list[str]) -> dict:
+    """In the DHT process: the latest value of each of `keys`, found in one traversal (a node near
+    several of the keys answers for all of them in one call)."""
+    return await node.get_many(keys, sufficient_expiration_time=float("inf"), **SEARCH)
 
 
 def load_identity(path: str) -> RSAPrivateKey:
@@ -171,6 +187,7 @@ class SwarmDHT:
             announce_maddrs=announce,
             record_validators=validators,
             client_mode=client_mode,
+            num_replicas=REPLICAS,
             start=False,
             **({"identity_path": identity_path} if identity_path else {}),
         )
@@ -191,10 +208,16 @@ class SwarmDHT:
     # ---- deadline-bound primitives: every DHT wait ends ----
 
     def _get(self, key: str):
-        return self.dht.get(key, latest=True, return_future=True).result(timeout=self.timeout)
+        return self.dht.get(key, latest=True, return_future=True, **SEARCH).result(timeout=self.timeout)
+
+    def _get_many(self, keys: list[str]) -> dict:
+        future = self.dht.run_coroutine(functools.partial(_get_latest_many, keys=keys), return_future=True)
+        return future.result(timeout=self.timeout)
 
     def _store(self, key: str, subkey: bytes, value, expiration_time: float) -> bool:
-        future = self.dht.store(key, subkey=subkey, value=value, expiration_time=expiration_time, return_future=True)
+        future = self.dht.store(
+            key, subkey=subkey, value=value, expiration_time=expiration_time, return_future=True, **SEARCH
+        )
         return bool(future.result(timeout=self.timeout))
 
     # ---- keys ----
@@ -247,10 +270,18 @@ class SwarmDHT:
         return entries
 
     def get_all_stages(self, num_stages: int) -> dict[int, list[PeerEntry]]:
-        """Every stage's peer records, fetched concurrently (each within the DHT deadline)."""
-        keys = {k: self.stage_key(k) for k in range(num_stages)}
-        futures = {k: self.dht.get(key, latest=True, return_future=True) for k, key in keys.items()}
-        return {k: self._entries(keys[k], fut.result(timeout=self.timeout)) for k, fut in futures.items()}
+        """Every stage's peer records (one traversal, within the DHT deadline)."""
+        keys = [self.stage_key(k) for k in range(num_stages)]
+        found = self._get_many(keys)
+        return {k: self._entries(key, found.get(key)) for k, key in enumerate(keys)}
+
+    def read_view(self, num_stages: int) -> tuple[dict[int, list[PeerEntry]], list[AccusationRecord]]:
+        """What a view re-reads periodically: every stage's peer records and the accusations, in one
+        traversal (within the DHT deadline)."""
+        keys = [self.stage_key(k) for k in range(num_stages)]
+        found = self._get_many([*keys, self.key("accusations")])
+        stages = {k: self._entries(key, found.get(key)) for k, key in enumerate(keys)}
+        return stages, self._accusations(found.get(self.key("accusations")))
 
     # ---- run config ----
 
@@ -327,7 +358,9 @@ class SwarmDHT:
 
     def get_accusations(self) -> list[AccusationRecord]:
         """Every trainer's accusations (in a private swarm: only those of admitted trainers)."""
-        found = self._get(self.key("accusations"))
+        return self._accusations(self._get(self.key("accusations")))
+
+    def _accusations(self, found) -> list[AccusationRecord]:
         if found is None or not isinstance(found.value, dict):
             return []
         out = []

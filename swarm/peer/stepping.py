@@ -197,9 +197,12 @@ class StepCoordinator:
             return
         t_averaged = time.monotonic()
         members = agreement.members
-        norm = await asyncio.wrap_future(
-            ex.call(lambda: ex.apply_mean_gradient(averaged, frozen.step, members, agreement.union))
-        )
+        try:
+            norm = await asyncio.wrap_future(
+                ex.call(lambda: ex.apply_mean_gradient(averaged, frozen.step, members, agreement.union))
+            )
+        finally:
+            ex.averaging_step = None
         self.timeline.record(
             start, t_frozen, t_agreed, t_averaged, time.monotonic(), self._agree_waited, self._straggler_s
         )
@@ -299,6 +302,12 @@ class StepCoordinator:
         await asyncio.wrap_future(ex.call(ex.unfreeze))
         if agreement.duplicates or agreement.samples > self.global_batch:
             logger.info("update %d: a mate holds a duplicate and drops it; waiting for the replays", agreement.step)
+        else:  # a failed round, counted in the timeline's failed_round_s: say why
+            logger.info(
+                "update %d not agreed: %d of %d samples among %d member(s)%s; unfrozen, the stage tries again",
+                agreement.step, agreement.samples, self.global_batch, len(agreement.members),
+                f", not frozen: {', '.join(p[-6:] for p in agreement.not_frozen)}" if agreement.not_frozen else "",
+            )  # fmt: skip
         return False
 
     async def _left_out(self, agreement: Agreement) -> None:
@@ -333,14 +342,18 @@ class StepCoordinator:
         try:
             if len(members) <= self.direct_max:
                 addresses = {m.peer_id: m.load.address for m in self.mates.live_mates()}
-                self.executor.averaging_step = frozen.step  # its mates may fetch its frozen sum now
+                # its mates may fetch its frozen sum now, and until it is applied (run_update resets
+                # this after the apply, which keeps the sum as `recent_frozen`: reset on success
+                # before it, a mate's fetch in between found neither and failed the mate's round)
+                self.executor.averaging_step = frozen.step
                 try:
                     avg = await average_direct(
                         frozen, self.peer_id, agreement, addresses, agreement.samples_by_member, self.clients,
                         self.run_id, self.mates.stage, self.executor.params, self.direct_timeout_s,
                     )  # fmt: skip
-                finally:
+                except BaseException:
                     self.executor.averaging_step = None
+                    raise
             else:
                 if self.averager is None:  # its first round of more than direct_max members
                     self.averager = self.mates.start_averager()

@@ -45,6 +45,20 @@ def test_bench_wire_quick():
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_bench_dht_quick():
+    """Both search modes run on real DHT nodes under a peer-like load, and the swarm's narrower
+    searches (a beam of the replica count, a view's keys in one traversal) still find every node's
+    record and the accusation in every node's last read."""
+    out = run_script("bench_dht.py")
+    rows = {r["mode"]: r for r in out["runs"]}
+    assert set(rows) == {"hivemind", "swarm"}
+    for r in rows.values():
+        assert positive(r["total_cores"]) and r["errors"] == 0, r
+        assert r["min_records_seen"] == r["nodes"] and r["min_accusations_seen"] == 1, r
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_bench_polling_quick():
     """A real peer asks its pollers for a period that keeps it within its Info budget: 50 pollers that
     follow it get at most the budget's answers a second (fixed periods would ask for 500)."""

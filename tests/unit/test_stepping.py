@@ -222,3 +222,46 @@ def test_a_straggler_mate_counts_as_waiting_not_as_averaging():
     d = tl.as_dict()
     assert abs(d["wait_mates_s"] - 0.08) < 1e-9 and abs(d["agree_s"] - 0.02) < 1e-9
     assert abs(d["allreduce_s"] - 0.04) < 1e-9
+
+
+def test_a_directly_averaged_sum_stays_fetchable_until_it_is_applied(mates, monkeypatch):
+    """A mate that fetches this peer's frozen sum after this peer finished averaging but before its
+    apply must still get it (a race seen under load: the round then failed on the mate's side)."""
+    import asyncio
+
+    import swarm.peer.stepping as stepping
+    from swarm.peer.agreement import agree
+    from swarm.training.averaging import AveragedGradient
+
+    a, _ = mates
+    _accumulate(a, 4, "t0/0/0")
+    seen_at_apply = []
+
+    async def averaged(own, own_id, agreement, *args):
+        return AveragedGradient([g / agreement.samples for g in own.grads], ("a", "m"), 0.01)
+
+    apply = a.apply_mean_gradient
+
+    def apply_and_look(*args):
+        seen_at_apply.append(a.frozen_gradient(0))  # what a mate's fetch gets in the meantime
+        return apply(*args)
+
+    monkeypatch.setattr(stepping, "average_direct", averaged)
+    monkeypatch.setattr(a, "apply_mean_gradient", apply_and_look)
+
+    class TwoMates(_Mates):
+        async def refresh_accusations(self) -> None:
+            return None
+
+    coord = stepping.StepCoordinator(a, None, TwoMates("a"), None, "run", 4, direct_max=4)
+
+    async def agreed(frozen):
+        own = a.contributions(0)
+        return agree(0, {"a": own, "m": type(own)(0, True, 0, {}, 0)})
+
+    monkeypatch.setattr(coord, "_agree", agreed)
+    asyncio.run(coord.run_update(stepping.UpdateReason.FULL))
+    assert a.step == 1
+    assert seen_at_apply[0] is not None and seen_at_apply[0][0].samples == 4
+    assert a.averaging_step is None  # reset after the apply
+    assert a.frozen_gradient(0)[0].samples == 4  # and fetchable after it, as the update just applied
