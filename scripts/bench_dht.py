@@ -16,7 +16,7 @@ as a check that the cheaper searches still find everything, how many of the N re
 accusation every node's last read found.
 
     .venv/bin/python scripts/bench_dht.py --json              # 15 nodes, 20 s window per mode
-    .venv/bin/python scripts/bench_dht.py --quick --json      # 5 nodes, 5 s (the test suite's run)
+    .venv/bin/python scripts/bench_dht.py --quick --json      # 4 nodes, 3 s (the test suite's run)
 """
 
 from __future__ import annotations
@@ -153,11 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nodes", type=int, default=15, help="DHT nodes, each its own process and p2pd (%(default)s)")
     p.add_argument("--window", type=float, default=20.0, help="seconds of load measured per mode (%(default)s)")
-    p.add_argument("--quick", action="store_true", help="5 nodes, a 5 s window (the test suite's run)")
+    p.add_argument("--quick", action="store_true", help="4 nodes, a 3 s window (the test suite's run)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if args.quick:
-        args.nodes, args.window = 5, 5.0
+        args.nodes, args.window = 4, 3.0
     rows = []
     for mode in ("hivemind", "swarm"):
         print(f"{mode}: {args.nodes} nodes, {args.window:.0f} s ...", file=sys.stderr, flush=True)
