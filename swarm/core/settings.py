@@ -18,8 +18,12 @@ from typing import Any, Final
 # status view and the simulator (its DHT record may live longer: it expires after the record TTL).
 LIVENESS_WINDOW_S: Final[float] = 4.0
 # How often a peer polls its stage-mates' Info (step, samples held, fingerprint), and a trainer
-# every peer's.
-INFO_PERIOD_S: Final[float] = 0.1
+# every peer's (at most: swarm.policy.polling stretches it with the pollers). Not faster: the
+# moments that matter are pushed, not polled (a backward accumulated and a mate's freeze wake the
+# step decision; a trainer held back by the pacing long-polls for the step), and at 0.1 s the polls
+# of a 3x4 local swarm (about 600 a second) took a quarter of its 2 cores: 28 samples/s against 41
+# at 0.25 s, with the 3x2 swarm unchanged (scripts/bench_overload.py, docs/BENCHMARKS.md).
+INFO_PERIOD_S: Final[float] = 0.25
 # Deadline of one Info poll.
 INFO_TIMEOUT_S: Final[float] = 2.0
 # Deadline of any one DHT get or store: a call on a dead DHT process never hangs a thread.

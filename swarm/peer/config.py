@@ -41,7 +41,9 @@ class PeerConfig:
     threads: int = setting(0, "torch intra-op threads (0: torch's default)")
     announce_period_s: float = setting(2.0, "seconds between DHT record refreshes")
     record_ttl_s: float = setting(8.0, "seconds a DHT record lives without refresh")
-    step_poll_s: float = setting(0.05, "seconds between checks whether the stage's pending update is due", cli=False)
+    # a backward accumulated here, a round of Info polls and a mate's freeze wake the check at once:
+    # this period is only its fallback
+    step_poll_s: float = setting(0.25, "seconds between checks whether the stage's pending update is due", cli=False)
     stall_report_s: float = setting(
         30.0, "a stage short of its global batch for this long says so in its log, events and status"
     )

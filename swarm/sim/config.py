@@ -71,9 +71,10 @@ class SimConfig:
     stage_param_mb: float = 100.0  # MB of gradient each peer of a stage all-reduces per step (fp16)
     # Info polls and DHT reads (swarm.cluster.view), and what they cost the peers that answer them
     # budget: each peer caps the polls it answers and the DHT reads stretch, as the code does
-    # (swarm.policy.polling) | fixed: every INFO_PERIOD_S and DHT_REFRESH_S, as the code did before
+    # (swarm.policy.polling) | fixed: every info_period and dht_period, as the code did before
+    # 2026-12-05 (then at 0.1 s and 2 s)
     polling: str = "budget"
-    info_period: float = INFO_PERIOD_S  # s between two polls of one peer by one poller
+    info_period: float = INFO_PERIOD_S  # s between two polls of one peer by one poller (the base, budget)
     info_cost_ms: float = 0.25  # CPU ms of one Info exchange at each end (scripts/bench_info.py: 0.24-0.41)
     info_bytes: float = 400.0  # bytes of one Info exchange (request, response, gRPC framing)
     info_budget: float = 100.0  # budget: Info answers per second one peer gives at most (5% of a core)

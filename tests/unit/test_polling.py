@@ -18,7 +18,8 @@ def test_periods_stay_at_the_base_until_the_budget_binds():
     assert info_period(1000, INFO_PERIOD_S) == pytest.approx(1000 / INFO_BUDGET_PER_S)
     # answers a second to one peer: linear in its pollers up to the budget, then flat
     answers = [n / info_period(n, INFO_PERIOD_S) for n in (1, 10, 100, 1000, 10_000)]
-    assert answers[:2] == pytest.approx([10, 100]) and answers[2:] == pytest.approx([INFO_BUDGET_PER_S] * 3)
+    below = [1 / INFO_PERIOD_S, 10 / INFO_PERIOD_S]  # 4 and 40 a second at the 0.25 s base
+    assert answers[:2] == pytest.approx(below) and answers[2:] == pytest.approx([INFO_BUDGET_PER_S] * 3)
     assert dht_period(10, 10 * 900, 2.0) == 2.0
     big = dht_period(10_000, 625 * 900, 2.0)  # 10,000 peers on 16 stages: the bytes bind
     assert big > 10_000 / (5 * 100) and 10_000 * 625 * 900 / big / 5 <= 50e6 / 8 * (1 + 1e-9)

@@ -319,7 +319,8 @@ def test_polling_cost_grows_with_trainers_and_peers_and_the_budget_caps_it():
 
 
 def test_polling_slows_a_crowded_stage_and_the_budget_restores_it():
-    kw = dict(peers=400, stages=2, sim_seconds=900.0, hops_per_peer=30.0, preemption_rate=0.0)
+    # the code's polls before 2026-12-05: every 0.1 s (now 0.25 s at least)
+    kw = dict(peers=400, stages=2, sim_seconds=900.0, hops_per_peer=30.0, preemption_rate=0.0, info_period=0.1)
     fixed, budget = run_sim(SimConfig(polling="fixed", **kw)), run_sim(SimConfig(polling="budget", **kw))
     assert fixed.overheads["info_cpu_share"] > 0.5  # 200 mates polling each other 10 times a second
     assert budget.overheads["info_cpu_share"] < 0.1
