@@ -57,8 +57,14 @@ HEADLINE = (
 )
 
 
+# the code before 2026-12-05 polled Info at this fixed period (the base is 0.25 s since 2026-12-06)
+BEFORE_INFO_PERIOD_S = 0.1
+
+
 def run_command(size: dict, polling: str, seed: int, extra: list[str]) -> dict:
     """One `swarm sim` command in a child process: its wall and CPU seconds and its headline figures."""
+    if polling == "fixed":
+        extra = ["--info-period", str(BEFORE_INFO_PERIOD_S), *extra]
     with tempfile.TemporaryDirectory() as out_dir:
         argv = [sys.executable, "-m", "swarm.cli", "sim", "--peers", str(size["peers"]), "--stages"]
         argv += [str(size["stages"]), "--sim-seconds", str(size["sim_seconds"]), "--polling", polling]
@@ -87,6 +93,8 @@ def polling_costs() -> list[dict]:
     rows = []
     for polling in ("fixed", "budget"):
         cfg = replace(SimConfig(), polling=polling)
+        if polling == "fixed":
+            cfg = replace(cfg, info_period=BEFORE_INFO_PERIOD_S)
         for peers in (100, 1000, 10_000):
             for trainers in (1, 10, 100):
                 load = poll_load(peers // 16, trainers, cfg)
