@@ -265,3 +265,37 @@ def test_a_directly_averaged_sum_stays_fetchable_until_it_is_applied(mates, monk
     assert seen_at_apply[0] is not None and seen_at_apply[0][0].samples == 4
     assert a.averaging_step is None  # reset after the apply
     assert a.frozen_gradient(0)[0].samples == 4  # and fetchable after it, as the update just applied
+
+
+def test_a_round_short_of_the_batch_fails_at_once_instead_of_waiting_for_mates_to_freeze(mates, monkeypatch):
+    """A mate that dropped what it held is not frozen and holds nothing: waiting for it to freeze
+    cannot make the round ready. With the batch all held, an unfrozen mate is still waited for."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import swarm.peer.stepping as stepping
+    from swarm.peer.executor.updates import HeldSnapshot
+    from swarm.policy.ledger import Held
+
+    monkeypatch.setattr(stepping, "AGREE_WAIT_S", 0.3)
+    a, _ = mates
+    _accumulate(a, 4, "t0/0/0")
+    frozen = a.call(a.take_accumulated).result(timeout=30)
+    coord = stepping.StepCoordinator(a, None, _Mates("a"), None, "run", 8)
+    calls = []
+
+    def mate_holding(held: dict):
+        async def lists(step):
+            calls.append(step)
+            return [SimpleNamespace(peer_id="m")], [HeldSnapshot(0, False, 0, held, 0, 0.0, frozenset())]
+
+        return lists
+
+    monkeypatch.setattr(coord, "_mates_lists", mate_holding({}))  # 4 of 8 samples in the whole stage
+    agreement = asyncio.run(coord._agree(frozen))
+    assert agreement.samples == 4 and agreement.not_frozen == ["m"] and len(calls) == 1
+
+    calls.clear()
+    monkeypatch.setattr(coord, "_mates_lists", mate_holding({"t0/0/4": Held(4, 7)}))  # the batch is held
+    agreement = asyncio.run(coord._agree(frozen))
+    assert agreement.samples == 8 and agreement.not_frozen == ["m"] and len(calls) > 1  # waited for m
