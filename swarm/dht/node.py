@@ -44,9 +44,9 @@ RUNS_KEY = "swarm-runs"
 # Every record is stored on the REPLICAS nodes nearest to its key (hivemind's num_replicas; the
 # polling budget of swarm.policy.polling assumes the same), and every search keeps a beam of that
 # many nodes. hivemind's default beam is its bucket size (20): on a DHT of up to 20 nodes, every
-# get and every store asked every node, and that traffic cost 1.27 cores on a 15-node local swarm
-# doing what peers do (scripts/bench_dht.py); with this beam, and a view's keys read in one
-# traversal (`read_view`), 0.52.
+# get and every store asked every node, and that traffic cost 1.39-1.42 cores on 15 nodes doing
+# what peers do (scripts/bench_dht.py); with this beam, and a view's keys read in one traversal
+# (`read_view`), 0.58-0.60.
 REPLICAS = 5
 SEARCH = {"beam_size": REPLICAS}
 
