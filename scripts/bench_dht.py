@@ -40,6 +40,7 @@ from swarm.dht.records import Accusation, AccusationRecord, PeerRecord  # noqa: 
 
 STAGES = 3
 ANNOUNCE_S, VIEW_S, ACCUSATIONS_S, TTL_S = 2.0, 2.0, 1.5, 8.0
+WARMUP_DEADLINE_S = 30.0  # for every node's read to find every record before the window starts
 
 
 def _read_like_hivemind(d: SwarmDHT) -> tuple[int, int]:
@@ -93,6 +94,17 @@ def _worker(i: int, d: SwarmDHT, hivemind: bool, stop: threading.Event, seen: di
         stop.wait(0.05)
 
 
+def _wait_until_all_seen(seen: dict, nodes: int, deadline_s: float) -> bool:
+    """Until every node's last read found every node's record (or the deadline passes: the figures
+    then say how many were found)."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        if all(isinstance(seen.get(i), tuple) and seen[i][0] == nodes for i in range(nodes)):
+            return True
+        time.sleep(0.1)
+    return False
+
+
 def _cpu(procs: list[psutil.Process]) -> dict[str, float]:
     out = {"dht": 0.0, "p2pd": 0.0}
     for p in procs:
@@ -122,7 +134,7 @@ def run_mode(mode: str, nodes: int, window_s: float) -> dict:
         threads = [threading.Thread(target=_worker, args=(i, d, hivemind, stop, seen)) for i, d in enumerate(dhts)]
         for t in threads:
             t.start()
-        time.sleep(min(6.0, window_s / 2))  # every node announced and joined the routing tables
+        _wait_until_all_seen(seen, nodes, WARMUP_DEADLINE_S)  # every node announced and is read by all
         procs = [c for c in psutil.Process().children(recursive=True) if "torch_shm" not in c.name()]
         before, t0 = _cpu(procs), time.monotonic()
         time.sleep(window_s)
