@@ -33,12 +33,6 @@ class Announcer:
     def refresh_now(self) -> None:
         self._wake.set()
 
-    def refresh_soon(self, min_gap_s: float) -> None:
-        """Refresh now unless the record was published less than `min_gap_s` ago (then the next
-        periodic refresh carries the change): for frequent, minor changes."""
-        if time.monotonic() - self.last_publish >= min_gap_s:
-            self._wake.set()
-
     def _run(self) -> None:
         while not self._stop.is_set():
             self.last_publish = time.monotonic()

@@ -23,7 +23,6 @@ logger = logging.getLogger(__name__)
 ROUTINE_KEPT = 4  # routine events (checkpoints) the record keeps, of its MAX_EVENTS_PER_PEER
 MAX_EVENT_CHARS = 400
 RETRY_S = 2.0  # a failed store of the events is tried again after this long
-MIN_UPDATE_GAP_S = 1.0  # the record is stored at most this often for a new step alone
 
 
 class PeerRecords:
@@ -64,13 +63,6 @@ class PeerRecords:
     def refresh_now(self) -> None:
         if self.announcer is not None:
             self.announcer.refresh_now()
-
-    def refresh_after_update(self) -> None:
-        """The step changed: at most one extra store per MIN_UPDATE_GAP_S (a store after every update,
-        several a second, cost each peer's DHT and p2pd processes 0.05 CPU-s/s on 2 cores; readers
-        of the live step poll Info)."""
-        if self.announcer is not None:
-            self.announcer.refresh_soon(MIN_UPDATE_GAP_S)
 
     def stop(self) -> None:
         """Stop refreshing and store an explicit offline record, so readers need not wait for the TTL."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -47,6 +48,10 @@ CONTRIBUTIONS_TIMEOUT_S = 5.0
 # coordinator or a peer just killed, a cut link) answers a get only after hivemind's 3 s RPC timeout,
 # which held up every update of every stage for as long as the dead node stayed in the routes
 ACCUSATIONS_WAIT_S = 0.5
+# a peer alone in its stage (no mate to leave out of an update) starts a new read of the accusations at
+# most this often: a DHT get per update (4-5 a second in a fast pipeline) and a record store per update
+# took over a third of the DHT processes' CPU; its view re-reads them every 2 s, trainers every 0.5 s
+ACCUSATIONS_MIN_GAP_S = 1.0
 
 
 def fingerprints_agree(a: tuple[float, float], b: tuple[float, float], tol: float = FINGERPRINT_TOLERANCE) -> bool:
@@ -102,7 +107,8 @@ class StepCoordinator:
         self.resyncs = 0
         self.slow_accusation_reads = 0
         self._accusations_read: asyncio.Future | None = None
-        self._accusations_prefetched = False  # a read started since the last update, for the next one
+        self._accusations_started = -math.inf  # when the last read started (time.monotonic)
+        self._updated_at = -math.inf  # when the last update was applied
         self.last_averaging_s = 0.0
         self.failed_rounds = 0
         self.timeline = UpdateTimeline()
@@ -217,12 +223,12 @@ class StepCoordinator:
             self.after_update(ex.step)
 
     async def _read_accusations(self) -> None:
-        """Read the accusations, waiting at most ACCUSATIONS_WAIT_S: a read that takes longer goes on and
-        applies what it finds when it returns (and the periodic refresh reads them too), so a peer accused
-        while the DHT is slow is left out from the next update instead of this one."""
-        if not self._accusations_prefetched and (self._accusations_read is None or self._accusations_read.done()):
-            self._accusations_read = asyncio.ensure_future(self._read_accusations_now())
-        self._accusations_prefetched = False
+        """Wait for the read of the accusations started after the previous update (starting one now if
+        none did: one was in flight then), at most ACCUSATIONS_WAIT_S: a read that takes longer goes on
+        and applies what it finds when it returns, so a peer accused while the DHT is slow is left out
+        from the next update instead of this one."""
+        if self._accusations_read is None or self._accusations_started < self._updated_at:
+            self._start_accusations_read()
         try:
             await asyncio.wait_for(asyncio.shield(self._accusations_read), ACCUSATIONS_WAIT_S)
         except TimeoutError:
@@ -233,12 +239,23 @@ class StepCoordinator:
             )  # fmt: skip
 
     def _prefetch_accusations(self) -> None:
-        """Start reading the accusations for the next update now, while its samples come in: the read
-        (a DHT get, 50-100 ms) was on every update's critical path. An accusation published after
-        this read counts from the update after the next one."""
-        if self._accusations_read is None or self._accusations_read.done():
-            self._accusations_read = asyncio.ensure_future(self._read_accusations_now())
-            self._accusations_prefetched = True
+        """After an update: start reading the accusations for the next one now, while its samples come
+        in (the read, a DHT get of 50-100 ms, was on every update's critical path). An accusation
+        published after the read counts from a later update."""
+        self._updated_at = time.monotonic()
+        self._start_accusations_read()
+
+    def _start_accusations_read(self) -> None:
+        """Unless a read is in flight or, for a peer without live mates, one started less than
+        ACCUSATIONS_MIN_GAP_S ago (its result stands)."""
+        now = time.monotonic()
+        if self._accusations_read is not None and not self._accusations_read.done():
+            return
+        gap = ACCUSATIONS_MIN_GAP_S if not self.mates.live_mates() else 0.0
+        if now - self._accusations_started < gap:
+            return
+        self._accusations_started = now
+        self._accusations_read = asyncio.ensure_future(self._read_accusations_now())
 
     async def _read_accusations_now(self) -> None:
         try:

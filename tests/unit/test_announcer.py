@@ -24,17 +24,13 @@ def _counting():
     return calls, publish, wait_for
 
 
-def test_refresh_now_publishes_at_once_and_refresh_soon_is_rate_limited():
+def test_refresh_now_publishes_at_once():
     calls, publish, wait_for = _counting()
     announcer = Announcer(publish, period=30.0, ttl=60.0).start()
     try:
         assert wait_for(1)  # the first publish on start
-        announcer.refresh_soon(min_gap_s=30.0)  # published a moment ago: left to the periodic refresh
-        assert not wait_for(2, timeout=0.5)
+        assert not wait_for(2, timeout=0.5)  # the next periodic one is 30 s away
         announcer.refresh_now()
         assert wait_for(2)
-        announcer.last_publish -= 31.0  # as if the last store were long ago
-        announcer.refresh_soon(min_gap_s=30.0)
-        assert wait_for(3)
     finally:
         announcer.stop()
