@@ -236,9 +236,7 @@ class Membership:
             await self.sync_from_mates()  # the stage moved on while this peer was getting ready
 
     def _after_update(self, step: int) -> None:
-        # the record is not stored again for a new step: its periodic refresh carries the step, and
-        # readers of the live step poll Info (a store per update, up to once a second, was a third of
-        # the DHT processes' CPU in a fast pipeline; scripts/cpu_by_role.py, docs/BENCHMARKS.md)
+        # no record store for a new step: the 2 s refresh carries it, Info the live step (ARCHITECTURE)
         self.serving.notify_step()
         if self.runtime is not None and self.runtime.checkpoints is not None:
             self.runtime.checkpoints.after_step(step)
