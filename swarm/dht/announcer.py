@@ -24,7 +24,6 @@ class Announcer:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.last_ok: float | None = None
-        self.last_publish = -float("inf")  # when the last attempt began (monotonic)
 
     def start(self) -> Announcer:
         self._thread.start()
@@ -35,7 +34,6 @@ class Announcer:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.last_publish = time.monotonic()
             try:
                 if self.publish(self.ttl):
                     self.last_ok = time.monotonic()

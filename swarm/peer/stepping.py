@@ -223,11 +223,12 @@ class StepCoordinator:
             self.after_update(ex.step)
 
     async def _read_accusations(self) -> None:
-        """Wait for the read of the accusations started after the previous update (starting one now if
-        none did: one was in flight then), at most ACCUSATIONS_WAIT_S: a read that takes longer goes on
-        and applies what it finds when it returns, so a peer accused while the DHT is slow is left out
-        from the next update instead of this one."""
-        if self._accusations_read is None or self._accusations_started < self._updated_at:
+        """Wait for the read of the accusations started after the previous update, at most
+        ACCUSATIONS_WAIT_S: a read that takes longer goes on and applies what it finds when it returns,
+        so a peer accused while the DHT is slow is left out from the next update instead of this one.
+        A peer with live mates whose last read began before the previous update (one was in flight
+        then) starts one now; a peer alone goes on with what it read last."""
+        if self._accusations_read is None or (self._accusations_started < self._updated_at and self.mates.live_mates()):
             self._start_accusations_read()
         try:
             await asyncio.wait_for(asyncio.shield(self._accusations_read), ACCUSATIONS_WAIT_S)
@@ -240,21 +241,19 @@ class StepCoordinator:
 
     def _prefetch_accusations(self) -> None:
         """After an update: start reading the accusations for the next one now, while its samples come
-        in (the read, a DHT get of 50-100 ms, was on every update's critical path). An accusation
+        in (the read, a DHT get of 50-100 ms, was on every update's critical path), unless the peer is
+        alone in its stage and a read began less than ACCUSATIONS_MIN_GAP_S ago. An accusation
         published after the read counts from a later update."""
-        self._updated_at = time.monotonic()
+        self._updated_at = now = time.monotonic()
+        if now - self._accusations_started < ACCUSATIONS_MIN_GAP_S and not self.mates.live_mates():
+            return
         self._start_accusations_read()
 
     def _start_accusations_read(self) -> None:
-        """Unless a read is in flight or, for a peer without live mates, one started less than
-        ACCUSATIONS_MIN_GAP_S ago (its result stands)."""
-        now = time.monotonic()
+        """Unless one is in flight."""
         if self._accusations_read is not None and not self._accusations_read.done():
             return
-        gap = ACCUSATIONS_MIN_GAP_S if not self.mates.live_mates() else 0.0
-        if now - self._accusations_started < gap:
-            return
-        self._accusations_started = now
+        self._accusations_started = time.monotonic()
         self._accusations_read = asyncio.ensure_future(self._read_accusations_now())
 
     async def _read_accusations_now(self) -> None:
