@@ -26,7 +26,7 @@ import torch
 
 from swarm.cluster.view import PeerStatus
 from swarm.core.checks import all_finite
-from swarm.core.errors import StateError, SwarmError, WrongTarget
+from swarm.core.errors import RequestInvalid, StateError, SwarmError, WrongTarget
 from swarm.core.states import PeerState
 from swarm.peer.executor import Accumulated, StageExecutor
 from swarm.wire.blob import blob_chunks, receive_blob
@@ -38,6 +38,8 @@ logger = logging.getLogger(__name__)
 
 FROZEN_WAIT_S = 3.0
 FROZEN_POLL_S = 0.005
+REDUCED_WAIT_S = 10.0  # longest a mate's request waits for this peer's reduced shard (its sums' fetches)
+MAX_SHARDS = 1024
 
 
 class PartialUnavailable(WrongTarget):
@@ -62,32 +64,83 @@ def decode_partial(
 ) -> Accumulated:
     """Check and unpack a mate's sum: the step asked for, a sample count, one finite value of `dtype`
     per parameter (views of `data`, shaped as `params`). Raises StateError on anything else."""
-    if header.get("step") != step:
-        raise StateError(f"partial gradient is for step {header.get('step')!r}, asked for {step}")
-    samples = header.get("samples")
-    if not isinstance(samples, int) or samples < 0:
-        raise StateError(f"partial gradient sample count {samples!r} is not a non-negative int")
-    if samples == 0:
+    flat, samples = decode_flat(header, data, step, sum(p.numel() for p in params), dtype)
+    if flat is None:
         return Accumulated(None, 0, step)
-    if header.get("dtype") != dtype:
-        raise StateError(f"partial gradient dtype {header.get('dtype')!r}, want {dtype}")
-    torch_dtype, raw_dtype, size = _VIEWS[dtype]
-    numel = sum(p.numel() for p in params)
-    if len(data) != size * numel:
-        raise StateError(f"partial gradient holds {len(data)} bytes, the stage needs {size * numel}")
-    flat = torch.frombuffer(data, dtype=raw_dtype).view(torch_dtype)
-    if not all_finite(flat):
-        raise StateError("partial gradient holds NaN or infinite values")
     return Accumulated(
         [g.view(p.shape) for g, p in zip(flat.split([p.numel() for p in params]), params, strict=True)], samples, step
     )
 
 
-async def partial_chunks(executor: StageExecutor, step: int, frozen: bool = False) -> AsyncIterator[bytes]:
+def decode_flat(
+    header: dict, data: bytes | bytearray, step: int, numel: int, dtype: str = "float32", shard: list | None = None
+) -> tuple[torch.Tensor | None, int]:
+    """(a flat view of `data`, the sample count) of a mate's sum or shard of one: the step asked
+    for, the shard asked for (`shard`: [index, count]), a sample count, `numel` finite values of
+    `dtype` (None for a sum of no samples). Raises StateError on anything else."""
+    if header.get("step") != step:
+        raise StateError(f"partial gradient is for step {header.get('step')!r}, asked for {step}")
+    if header.get("shard") != shard:
+        raise StateError(f"partial gradient is shard {header.get('shard')!r}, asked for {shard}")
+    samples = header.get("samples")
+    if not isinstance(samples, int) or samples < 0:
+        raise StateError(f"partial gradient sample count {samples!r} is not a non-negative int")
+    if samples == 0:
+        return None, 0
+    if header.get("dtype") != dtype:
+        raise StateError(f"partial gradient dtype {header.get('dtype')!r}, want {dtype}")
+    torch_dtype, raw_dtype, size = _VIEWS[dtype]
+    if len(data) != size * numel:
+        raise StateError(f"partial gradient holds {len(data)} bytes, the stage needs {size * numel}")
+    flat = torch.frombuffer(data, dtype=raw_dtype).view(torch_dtype) if numel else torch.zeros(0, dtype=torch_dtype)
+    if not all_finite(flat):
+        raise StateError("partial gradient holds NaN or infinite values")
+    return flat, samples
+
+
+def requested_shard(request: pb.PartialRequest) -> tuple[int, int] | None:
+    """(index, count) of the shard a request asks for, None for a whole sum; RequestInvalid when
+    it is no shard of a stage (count 0 with an index, an index out of range, absurd counts)."""
+    index, count = int(request.shard_index), int(request.shard_count)
+    if count == 0 and index == 0 and not request.reduced:
+        return None
+    if not 1 <= count <= MAX_SHARDS or not 0 <= index < count:
+        raise RequestInvalid(f"shard {index} of {count} is no shard of a stage (1 to {MAX_SHARDS} shards)")
+    return index, count
+
+
+async def reduced_chunks(executor: StageExecutor, request: pb.PartialRequest) -> AsyncIterator[bytes]:
+    """This peer's shard of the stage-wide frozen sum of update `request.step`, reduced over the
+    agreement `request.agreement` (swarm.peer.direct); waits up to REDUCED_WAIT_S for it to be
+    reduced here (a mate that finished its own shard first asks before this one is done)."""
+    index, count = requested_shard(request) or (0, 0)
+    step, deadline = int(request.step), time.monotonic() + REDUCED_WAIT_S
+    while True:
+        shard = executor.reduced_shard
+        if shard is not None and (shard.step, shard.agreement) == (step, request.agreement):
+            break
+        if time.monotonic() >= deadline:
+            raise PartialUnavailable(f"no shard of update {step} reduced here over that agreement")
+        await asyncio.sleep(FROZEN_POLL_S)
+    if (shard.index, shard.count) != (index, count):
+        raise PartialUnavailable(f"this peer reduced shard {shard.index} of {shard.count}, not {index} of {count}")
+    data = shard.values.numpy().tobytes()
+    meta = {"samples": shard.samples, "dtype": "float32", "shard": [index, count]}
+    async for chunk in blob_chunks(data, checksum=False, step=step, **meta):
+        yield chunk
+
+
+async def partial_chunks(executor: StageExecutor, request: pb.PartialRequest) -> AsyncIterator[bytes]:
     """What GetPartialGradient streams: this peer's own sum for `step`, taken between batches; with
-    `frozen`, its frozen float32 sum for the stage's direct averaging (with its accumulator epoch).
-    No checksum (TCP checks what it carries; a sum corrupted anyway would make the mates' parameters
-    differ, which their fingerprints catch: swarm.peer.stepping, "diverged")."""
+    `frozen`, its frozen float32 sum (or one shard of it) for the stage's direct averaging (with its
+    accumulator epoch); with `reduced`, its reduced shard (`reduced_chunks`). No checksum (TCP
+    checks what it carries; a sum corrupted anyway would make the mates' parameters differ, which
+    their fingerprints catch: swarm.peer.stepping, "diverged")."""
+    step, frozen, shard = int(request.step), request.frozen, requested_shard(request)
+    if request.reduced:
+        async for chunk in reduced_chunks(executor, request):
+            yield chunk
+        return
     if frozen:
         # a mate that agreed a moment before this peer reached its own averaging waits for it, up to
         # FROZEN_WAIT_S, while this peer holds that update frozen (as in an all-reduce, every member
@@ -104,15 +157,19 @@ async def partial_chunks(executor: StageExecutor, step: int, frozen: bool = Fals
             await asyncio.sleep(FROZEN_POLL_S)
         # on a pool thread, under the accumulators' lock: no wait for the compute thread's batches,
         # and the event loop is not held by the copy of a large stage's gradient
-        found = await asyncio.to_thread(executor.frozen_gradient, step)
+        found = await asyncio.to_thread(executor.frozen_gradient, step, shard)
         if found is None:
             raise PartialUnavailable(f"update {step} is not frozen here (this peer is at step {executor.step})")
         partial, epoch = found
         fields, data = encode_partial(partial)
+        if shard is not None:
+            fields["shard"] = list(shard)
         waited_ms = round(1000 * (time.monotonic() - began), 1)  # for the asker's timeline: a straggler
         async for chunk in blob_chunks(data, checksum=False, step=step, epoch=epoch, waited_ms=waited_ms, **fields):
             yield chunk
         return
+    if shard is not None:
+        raise RequestInvalid("a look-ahead sum is never sharded (shards are of frozen sums)")
     partial = await asyncio.wrap_future(executor.call(lambda: executor.partial_gradient(step)))
     if partial is None:
         raise PartialUnavailable(f"step {step} is not pending here (this peer is at step {executor.step})")

@@ -327,8 +327,7 @@ class StageService:
             await abort(context, e)
 
     async def get_partial_gradient(self, raw: bytes, context) -> AsyncIterator[bytes]:
-        chunks = lambda ex, req: partial_chunks(ex, req.step, req.frozen)  # noqa: E731
-        async for chunk in self._blob(pb.PartialRequest, raw, context, chunks):
+        async for chunk in self._blob(pb.PartialRequest, raw, context, partial_chunks):
             yield chunk
 
     async def get_contributions(self, raw: bytes, context) -> bytes:

@@ -1,13 +1,13 @@
 """When and how the peers of a stage apply an update together.
 
 Trainers tag every microbatch with the step it is meant for and send exactly the global batch per
-step. When the stage-mates together hold the global batch for the next update (their Info counts),
-each peer freezes its accumulator and the stage agrees on what the update holds
-(swarm.peer.agreement): every contribution of the step exactly once. Then the stage averages the
-accumulators (hivemind all-reduce, weighted by samples), every peer applies the same mean gradient
-with the same learning rate and clipping, and records the update in its ledger. If the agreement
-finds the stage not ready (a contribution held twice, a mate missing, not yet frozen), the peers
-unfreeze and wait: nothing is ever applied with fewer or more samples than the step's.
+step. When the stage-mates together hold the global batch for the next update, each peer freezes its
+accumulator and the stage agrees on what the update holds (swarm.peer.agreement): every contribution
+of the step exactly once. Then the stage averages the accumulators (swarm.peer.direct; hivemind's
+all-reduce in large stages), every peer applies the same mean gradient with the same learning rate
+and clipping, and records the update in its ledger. If the agreement finds the stage not ready (a
+contribution held twice, a mate missing, not yet frozen), the peers unfreeze and wait: nothing is
+ever applied with fewer or more samples than the step's.
 
 Other reasons to act:
 - behind: a mate already applied this update without this peer (it missed the round, was paused,
@@ -22,6 +22,7 @@ microbatches); it says so in its log and events, it never steps with what it has
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import time
@@ -32,7 +33,7 @@ from swarm.cluster.view import PeerStatus
 from swarm.core.log import set_context
 from swarm.core.states import PeerState, UpdateReason
 from swarm.peer.agreement import Agreement, agree, fetch_contributions
-from swarm.peer.direct import average_direct
+from swarm.peer.direct import SHARDED_MIN_MEMBERS, average_direct
 from swarm.peer.executor import Accumulated, StageExecutor
 from swarm.peer.timeline import UpdateTimeline
 from swarm.training.averaging import AveragingFailed, StageAverager
@@ -101,8 +102,7 @@ class StepCoordinator:
         self.executor, self.averager, self.mates, self.clients = executor, averager, mates, clients
         self.run_id, self.global_batch, self.after_update = run_id, global_batch, after_update
         self.stall_report_s = stall_report_s  # a stage short of its global batch this long says so
-        # stages of at most this many members average directly over gRPC (swarm.peer.direct)
-        self.direct_max, self.direct_timeout_s = direct_max, direct_timeout_s
+        self.direct_max, self.direct_timeout_s = direct_max, direct_timeout_s  # swarm.peer.direct
         self.peer_id = mates.peer_id
         self.resyncs = 0
         self.slow_accusation_reads = 0
@@ -360,20 +360,21 @@ class StepCoordinator:
         members = [p for p, _ in agreement.members]
         if len(members) == 1:
             return [g / max(1, agreement.samples) for g in frozen.grads]
-        loop = asyncio.get_running_loop()
         mates = [p for p in members if p != self.peer_id]
         try:
             if len(members) <= self.direct_max:
                 addresses = {m.peer_id: m.load.address for m in self.mates.live_mates()}
-                # its mates may fetch its frozen sum now, and until it is applied (run_update resets
-                # this after the apply, which keeps the sum as `recent_frozen`: reset on success
-                # before it, a mate's fetch in between found neither and failed the mate's round)
+                # its mates may fetch its frozen sum now, and until it is applied (run_update resets this after
+                # the apply, which keeps the sum as `recent_frozen`: reset before it, a mate's fetch in between
+                # found neither and failed the mate's round); its reduced shard (3+ members) stays until the next
                 self.executor.averaging_step = frozen.step
                 try:
                     avg = await average_direct(
                         frozen, self.peer_id, agreement, addresses, agreement.samples_by_member, self.clients,
                         self.run_id, self.mates.stage, self.executor.params, self.direct_timeout_s,
+                        publish=functools.partial(setattr, self.executor, "reduced_shard"),
                     )  # fmt: skip
+                    self.executor.counters.sharded_rounds += len(members) >= SHARDED_MIN_MEMBERS
                 except BaseException:
                     self.executor.averaging_step = None
                     raise
@@ -382,7 +383,7 @@ class StepCoordinator:
                     self.averager = self.mates.start_averager()
                 if self.averager is None:
                     raise AveragingFailed(f"averaging for step {frozen.step}: this peer is leaving its stage")
-                avg = await loop.run_in_executor(
+                avg = await asyncio.get_running_loop().run_in_executor(
                     None, self.averager.average, frozen.grads, frozen.samples, frozen.step, mates
                 )
         except AveragingFailed as e:

@@ -158,7 +158,7 @@ def test_a_frozen_sum_asked_for_early_says_how_long_its_owner_made_the_mate_wait
 
         async def fetch():
             asyncio.get_running_loop().call_later(0.2, lambda: setattr(ex, "averaging_step", 0))
-            return [chunk async for chunk in partial_chunks(ex, 0, frozen=True)]
+            return [chunk async for chunk in partial_chunks(ex, pb.PartialRequest(step=0, frozen=True))]
 
         chunks = asyncio.run(fetch())
         header = json.loads(pb.Chunk.FromString(chunks[0]).header)

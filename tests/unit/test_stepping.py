@@ -237,7 +237,7 @@ def test_a_directly_averaged_sum_stays_fetchable_until_it_is_applied(mates, monk
     _accumulate(a, 4, "t0/0/0")
     seen_at_apply = []
 
-    async def averaged(own, own_id, agreement, *args):
+    async def averaged(own, own_id, agreement, *args, **kwargs):
         return AveragedGradient([g / agreement.samples for g in own.grads], ("a", "m"), 0.01)
 
     apply = a.apply_mean_gradient

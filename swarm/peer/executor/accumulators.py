@@ -48,6 +48,37 @@ class Accumulated:
 
 
 @dataclass(frozen=True)
+class ReducedShard:
+    """This peer's shard of a stage-wide frozen sum, reduced over the members of an agreement
+    (swarm.peer.direct, reduce-scatter): float32, elements [lo, hi) of the flat parameter vector."""
+
+    step: int
+    agreement: bytes  # the digest of the agreement it was reduced over
+    index: int
+    count: int
+    samples: int  # of the whole update (every member's)
+    values: torch.Tensor
+
+
+def shard_bounds(numel: int, count: int) -> list[tuple[int, int]]:
+    """[lo, hi) of each of `count` near-equal contiguous shards of a flat vector of `numel` elements."""
+    return [(numel * i // count, numel * (i + 1) // count) for i in range(count)]
+
+
+def flat_range(grads: list[torch.Tensor], lo: int, hi: int) -> torch.Tensor:
+    """Elements [lo, hi) of the tensors laid end to end, as one float32 CPU tensor (copies only
+    that range, not the whole flat vector)."""
+    parts, offset = [], 0
+    for g in grads:
+        n = g.numel()
+        a, b = max(lo, offset), min(hi, offset + n)
+        if a < b:
+            parts.append(g.detach().reshape(-1)[a - offset : b - offset].to("cpu", torch.float32))
+        offset += n
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float32)
+
+
+@dataclass(frozen=True)
 class Holder:
     """Who holds a contribution a request repeats: a peer ("" for this one) at an accumulator epoch."""
 

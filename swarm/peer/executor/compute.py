@@ -21,7 +21,7 @@ import torch
 
 from swarm.core.checks import abs_bound, all_finite
 from swarm.core.errors import NonFiniteResult
-from swarm.peer.executor.accumulators import Accumulators
+from swarm.peer.executor.accumulators import Accumulators, ReducedShard
 from swarm.peer.executor.activations import ActivationCache, Kept, saved_bytes
 from swarm.peer.executor.lookahead import LookAhead
 from swarm.peer.executor.tasks import BACKWARD, EVAL, FORWARD, BackwardResult, ForwardResult, Task
@@ -71,6 +71,7 @@ class StageExecutor(StageUpdates, ComputeThread):
         self.lookahead = LookAhead(self.optimizer, optim, self.params, prior_samples)
         self.activations = ActivationCache(activation_budget_bytes)  # forwards kept for their backward
         self.averaging_step: int | None = None  # the update this peer's stepper is averaging now
+        self.reduced_shard: ReducedShard | None = None  # its latest shard of a reduce-scatter (mates fetch it)
         self.counters = ExecutorCounters()
         self.throughput_ema: float | None = None  # samples/s of forward+backward work, measured
         # every applied update and the contributions it holds: travels with the state, so that a

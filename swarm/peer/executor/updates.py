@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from swarm.core.checks import gradient_norm
-from swarm.peer.executor.accumulators import Accumulated, Holder
+from swarm.peer.executor.accumulators import Accumulated, Holder, flat_range, shard_bounds
 from swarm.peer.ledger import LEDGER_STATE_STEPS
 from swarm.policy.ledger import Held, LedgerEntry, base_id, merge_parts
 from swarm.training.optim import apply_update
@@ -40,6 +40,7 @@ class ExecutorCounters:
     samples_discarded: int = 0  # unapplied gradients dropped (the trainers replay them)
     contributions_included: int = 0  # held contributions a downloaded update already contained
     averaging_rounds: int = 0
+    sharded_rounds: int = 0  # ... of them averaged by reduce-scatter (swarm.peer.direct: 3 or more members)
     compute_seconds: float = 0.0
 
 
@@ -60,12 +61,13 @@ class StageUpdates:
         flat = torch.cat([g.detach().reshape(-1).to(torch.bfloat16) for g in acc.grads]).cpu()
         return Accumulated([flat], acc.samples, step)
 
-    def frozen_gradient(self, step: int) -> tuple[Accumulated, int] | None:
+    def frozen_gradient(self, step: int, shard: tuple[int, int] | None = None) -> tuple[Accumulated, int] | None:
         """(this peer's frozen sum for update `step` as one flat float32 tensor, the accumulator
         epoch) for its mates' direct averaging (swarm.peer.direct): the frozen one while this peer
         averages that update itself (`averaging_step`: as in an all-reduce, every member takes part,
         so a peer frozen but busy elsewhere, e.g. catching up, is no member), or the one of the
-        update just applied (a slower mate may still be fetching it); None otherwise."""
+        update just applied (a slower mate may still be fetching it); None otherwise. With `shard`
+        (index, count), only that shard of the flat sum (`shard_bounds`)."""
         acc = self.acc
         with acc.lock:  # any thread: the compute thread changes the accumulators under this lock
             taking_part = acc.frozen if self.averaging_step == step else None
@@ -74,8 +76,9 @@ class StageUpdates:
                 return None
             if frozen.grads is None or frozen.samples == 0:
                 return Accumulated(None, 0, step), acc.epoch
-            flat = torch.cat([g.detach().reshape(-1).to(torch.float32) for g in frozen.grads]).cpu()
-            return Accumulated([flat], frozen.samples, step), acc.epoch
+            numel = sum(g.numel() for g in frozen.grads)
+            lo, hi = (0, numel) if shard is None else shard_bounds(numel, shard[1])[shard[0]]
+            return Accumulated([flat_range(frozen.grads, lo, hi)], frozen.samples, step), acc.epoch
 
     def set_mate_partial(self, peer_id: str, partial: Accumulated) -> bool:
         """Keep a stage-mate's gradient sum for the pending update (the caller checked shapes and
