@@ -226,7 +226,7 @@ class Membership:
         rt.stepper = StepCoordinator(
             executor, rt.averager, self, self.clients, run.run_id, run.global_batch, self._after_update,
             cfg.stall_report_s, direct_max=cfg.averaging.direct_max_members,
-            direct_timeout_s=cfg.averaging.allreduce_timeout_s,
+            direct_timeout_s=cfg.averaging.allreduce_timeout_s, shard_min_bytes=cfg.averaging.shard_min_bytes,
         )  # fmt: skip
         self.serving.throughput = await loop.run_in_executor(
             None, measure_throughput, executor, built.schema, run.model, run.microbatch, cfg.use_benchmark_cache

@@ -22,7 +22,6 @@ microbatches); it says so in its log and events, it never steps with what it has
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import math
 import time
@@ -33,7 +32,7 @@ from swarm.cluster.view import PeerStatus
 from swarm.core.log import set_context
 from swarm.core.states import PeerState, UpdateReason
 from swarm.peer.agreement import Agreement, agree, fetch_contributions
-from swarm.peer.direct import SHARDED_MIN_MEMBERS, average_direct
+from swarm.peer.direct import average_direct
 from swarm.peer.executor import Accumulated, StageExecutor
 from swarm.peer.timeline import UpdateTimeline
 from swarm.training.averaging import AveragingFailed, StageAverager
@@ -98,11 +97,12 @@ class StepCoordinator:
         stall_report_s: float = 30.0,
         direct_max: int = 0,
         direct_timeout_s: float = 30.0,
+        shard_min_bytes: int = 0,
     ) -> None:
         self.executor, self.averager, self.mates, self.clients = executor, averager, mates, clients
         self.run_id, self.global_batch, self.after_update = run_id, global_batch, after_update
         self.stall_report_s = stall_report_s  # a stage short of its global batch this long says so
-        self.direct_max, self.direct_timeout_s = direct_max, direct_timeout_s  # swarm.peer.direct
+        self.direct_max, self.direct_timeout_s, self.shard_min_bytes = direct_max, direct_timeout_s, shard_min_bytes
         self.peer_id = mates.peer_id
         self.resyncs = 0
         self.slow_accusation_reads = 0
@@ -372,9 +372,9 @@ class StepCoordinator:
                     avg = await average_direct(
                         frozen, self.peer_id, agreement, addresses, agreement.samples_by_member, self.clients,
                         self.run_id, self.mates.stage, self.executor.params, self.direct_timeout_s,
-                        publish=functools.partial(setattr, self.executor, "reduced_shard"),
+                        publish=self.executor.keep_reduced, shard_min_bytes=self.shard_min_bytes,
                     )  # fmt: skip
-                    self.executor.counters.sharded_rounds += len(members) >= SHARDED_MIN_MEMBERS
+                    self.executor.counters.sharded_rounds += avg.sharded
                 except BaseException:
                     self.executor.averaging_step = None
                     raise

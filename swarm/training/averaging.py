@@ -166,6 +166,20 @@ class AveragingConfig:
         "instead of hivemind's all-reduce (0: always the all-reduce)",
         flag="--averaging-direct-max",
     )
+    shard_min_mb: float = setting(
+        4.0,
+        "a directly averaged stage of 3 or more peers whose gradient is at least this large (float32, MiB) "
+        "averages by reduce-scatter: half the bytes per member, one more round trip (0: always)",
+        flag="--averaging-shard-min-mb",
+    )
+
+    def __post_init__(self) -> None:
+        if not self.shard_min_mb >= 0:
+            raise ValueError(f"--averaging-shard-min-mb must be >= 0, got {self.shard_min_mb}")
+
+    @property
+    def shard_min_bytes(self) -> int:
+        return int(self.shard_min_mb * (1 << 20))
 
 
 @dataclass
@@ -174,6 +188,7 @@ class AveragedGradient:
     members: tuple[str, ...]  # peer ids whose gradients the mean holds
     seconds: float
     straggler_s: float = 0.0  # of `seconds`: waiting for a mate to begin averaging (direct averaging)
+    sharded: bool = False  # by reduce-scatter (swarm.peer.direct)
 
 
 def round_id(prefix: str, step: int, members: list[str]) -> bytes:

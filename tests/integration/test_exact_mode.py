@@ -170,7 +170,9 @@ def test_a_sigkill_inside_a_request_costs_retries_and_reduce_scatter_rounds_stay
     tokens = torch.from_numpy(write_tokens(tmp_path / "train.bin"))
     swarm = make_swarm(
         stages=3, peers_per_stage=3, trainers=1, steps=steps, run_args=run_options(tmp_path, steps),
-        peer_args=["--no-rebalance"],  # the stages keep their members: the counts below are per stage
+        # the stages keep their members (the counts below are per stage), and the tiny model's stages
+        # average by reduce-scatter (by default only from 4 MiB of gradient on)
+        peer_args=["--no-rebalance", "--averaging-shard-min-mb", "0"],
     )  # fmt: skip
     swarm.start_coordinator()
     fault = ["--debug-fail-at-step", "8", "--debug-fail-mode", "kill", "--debug-fail-in-request"]

@@ -23,3 +23,18 @@ def test_figures_separate_new_contributions_from_waste():
     assert out["samples_processed_by_stage"] == {0: 320, 1: 320}
     assert out["duplicate_samples_by_stage"] == {0: 20, 1: 0} and out["check_samples_by_stage"] == {0: 10, 1: 0}
     assert out["retries_and_replays_share"] == 0.05 and out["failed_peers"] == 1
+
+
+def test_bench_sharding_figures_average_the_peers_update_timelines():
+    from scripts.bench_sharding import averaging_figures
+
+    summary = {
+        "steps": 3, "samples_per_s": 10.0,
+        "peers": [
+            {"update_timeline": {"updates": 3, "allreduce_s": 0.3}, "sharded_rounds": 3},
+            {"update_timeline": {"updates": 3, "allreduce_s": 0.9}, "sharded_rounds": 2},
+            {"stage": None},  # a peer that never joined a stage: no timeline
+        ],
+    }  # fmt: skip
+    out = averaging_figures(summary, "reduce-scatter")
+    assert out["averaging_ms_per_update"] == 200.0 and out["updates"] == 6 and out["sharded_rounds"] == 5

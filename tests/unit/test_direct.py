@@ -60,7 +60,7 @@ def stage():
         ex.stop()
 
 
-def _average(executors: list[StageExecutor], ids: list[str], sharded: bool) -> list[list[torch.Tensor]]:
+def _average(executors: list[StageExecutor], ids: list[str], sharded: bool, shard_min_bytes: int = 0) -> list:
     frozen = [ex.call(ex.take_accumulated).result(timeout=30) for ex in executors]
     samples = {p: f.samples for p, f in zip(ids, frozen, strict=True)}
     agreement = Agreement(0, sorted((p, 0) for p in ids), {}, sum(samples.values()), samples_by_member=samples)
@@ -70,10 +70,11 @@ def _average(executors: list[StageExecutor], ids: list[str], sharded: bool) -> l
         ex.averaging_step = 0
 
     async def member(ex: StageExecutor, own, peer_id: str):
-        publish = (lambda shard: setattr(ex, "reduced_shard", shard)) if sharded else None
+        publish = ex.keep_reduced if sharded else None
         avg = await direct.average_direct(
-            own, peer_id, agreement, addresses, samples, clients, "run", 1, ex.params, 10.0, publish=publish
+            own, peer_id, agreement, addresses, samples, clients, "run", 1, ex.params, 10.0, publish, shard_min_bytes
         )
+        assert avg.sharded == (sharded and 4 * sum(p.numel() for p in ex.params) >= shard_min_bytes)
         return avg.mean
 
     async def everyone():
@@ -96,6 +97,14 @@ def test_a_reduce_scatter_gives_every_member_the_same_mean_as_whole_sums_bit_for
     # and it is the mean: 12 samples' summed gradients over 12
     total = [sum(ex.acc.pending(0).grads[k] for ex in stage[1:]) for k in range(len(stage[0].params))]
     assert all(torch.allclose(m, t / 12, rtol=1e-5, atol=1e-7) for m, t in zip(whole[0], total, strict=True))
+
+
+def test_a_gradient_below_the_size_threshold_is_averaged_whole(stage):
+    """Below --averaging-shard-min-mb the extra round trip costs more than the bytes saved: whole sums."""
+    big = 4 * sum(p.numel() for p in stage[0].params) + 1
+    means = _average(stage, ["a", "b", "c", "d"], sharded=True, shard_min_bytes=big)
+    assert all(ex.reduced_shard is None for ex in stage)
+    assert all(torch.equal(a, b) for m in means for a, b in zip(m, means[0], strict=True))
 
 
 def test_shards_cover_the_flat_vector_once():

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from swarm.core.checks import gradient_norm
-from swarm.peer.executor.accumulators import Accumulated, Holder, flat_range, shard_bounds
+from swarm.peer.executor.accumulators import Accumulated, Holder, ReducedShard, flat_range, shard_bounds
 from swarm.peer.ledger import LEDGER_STATE_STEPS
 from swarm.policy.ledger import Held, LedgerEntry, base_id, merge_parts
 from swarm.training.optim import apply_update
@@ -79,6 +79,10 @@ class StageUpdates:
             numel = sum(g.numel() for g in frozen.grads)
             lo, hi = (0, numel) if shard is None else shard_bounds(numel, shard[1])[shard[0]]
             return Accumulated([flat_range(frozen.grads, lo, hi)], frozen.samples, step), acc.epoch
+
+    def keep_reduced(self, shard: ReducedShard) -> None:
+        """Keep this peer's latest reduced shard for its mates' fetches (swarm.peer.direct; any thread)."""
+        self.reduced_shard = shard
 
     def set_mate_partial(self, peer_id: str, partial: Accumulated) -> bool:
         """Keep a stage-mate's gradient sum for the pending update (the caller checked shapes and
