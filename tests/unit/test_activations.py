@@ -122,3 +122,46 @@ def test_wiring_prefers_the_forwards_peer_unless_clearly_busier():
     assert wiring.choose([a, b], 4, 0.0, prefer="b") is a  # 4.4 s vs 0.4 s: too busy
     b.reported_queue, b.banned_until = 0.0, 10.0
     assert wiring.choose([a, b], 4, 0.0, prefer="b") is a  # banned: not eligible
+
+
+def test_a_forward_ahead_at_predicted_parameters_is_kept_and_its_backward_sees_the_same_values():
+    """Async look-ahead: a microbatch for the update after the pending one runs at predicted
+    parameters; its kept graph gives the same gradients as a recompute at that prediction (the
+    values are swapped in again for the backward), and the parameters are the applied ones after."""
+
+    def ahead(budget_mb: float) -> StageExecutor:
+        torch.manual_seed(0)
+        cfg = OptimConfig(lr=1e-1, warmup_steps=0)
+        stage = build_stage(GPT, 1, 3)
+        return StageExecutor(
+            stage, cfg, predict_params=True, prior_samples=0, activation_budget_bytes=int(budget_mb * (1 << 20))
+        )
+
+    kept, plain = ahead(8), ahead(0)
+    try:
+        torch.manual_seed(1)
+        x0, g0, x, g = (torch.randn(2, 8, 16) for _ in range(4))
+        results = []
+        for ex in (kept, plain):
+            ex.backward(x0, g0, None, "pending", tag=0).result(timeout=30)  # update 0 pending: predictable
+            before = [p.detach().clone() for p in ex.params]
+            forward = ex.forward(x, key="f", tag=1).result(timeout=30)
+            back = ex.backward(x, g, None, "next", tag=1, forward_key="f").result(timeout=30)
+            assert forward.predicted and back.predicted and back.accumulated_step == 1
+            assert all(torch.equal(a, b) for a, b in zip(before, ex.params, strict=True))  # swapped back
+            results.append((forward.output, back.grad_input, ex.call(lambda e=ex: e.acc.get(1)).result(timeout=30)))
+        assert kept.activations.counters.activation_hits == 1 and plain.activations.counters.activation_hits == 0
+        (out_a, gi_a, acc_a), (out_b, gi_b, acc_b) = results
+        assert torch.allclose(out_a, out_b, atol=1e-6) and torch.allclose(gi_a, gi_b, atol=1e-6)
+        assert acc_a.samples == acc_b.samples == 2
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(acc_a.grads, acc_b.grads, strict=True))
+        # and at the current parameters the gradient differs: the prediction was in effect
+        current = middle(0)
+        try:
+            plain_gi = current.backward(x, g, None, "now").result(timeout=30).grad_input
+        finally:
+            current.stop()
+        assert not torch.allclose(plain_gi, gi_a, atol=1e-6)
+    finally:
+        kept.stop()
+        plain.stop()

@@ -1,15 +1,23 @@
 """The forward's saved activations, kept for the backward of the same microbatch on the same peer.
 
 Without it a peer's backward is stateless: it recomputes the forward from the stage input the
-request carries (forward + forward + backward: x1.33 the compute). With it, a training forward at
-the current parameters keeps its autograd graph, keyed by the trainer's forward request id; the
-backward that names that id (BackwardRequest.forward_id) and lands on this peer runs the backward
-pass on the kept graph. Anything else recomputes as before: a backward on another peer (the first
-one died, or the wiring chose a mate), an entry evicted for the budget or its age, or one dropped
-because the parameters changed (an update, a loaded state) since its forward.
+request carries (forward + forward + backward: x1.33 the compute). With it, a training forward
+keeps its autograd graph, keyed by the trainer's forward request id; the backward that names that
+id (BackwardRequest.forward_id) and lands on this peer runs the backward pass on the kept graph.
+Anything else recomputes as before: a backward on another peer (the first one died, or the wiring
+chose a mate), one whose gradient now goes into another update than its forward's, an entry
+evicted for the budget or its age, or one dropped because the parameters changed (an update, a
+loaded state) since its forward.
+
+A forward that ran ahead at predicted parameters (async look-ahead: they are swapped into the
+parameters' `.data` for one batch) keeps those values with its graph: autograd saved the parameter
+tensors themselves, so the backward swaps the same values in again and computes the gradient at
+the parameters its forward ran at (a recompute would use the prediction of the moment, which may
+have moved with the mates' sums since).
 
 Bounded: entries are kept least-recently-used within `budget_bytes` (the saved tensors' bytes,
-parameters not counted) and for at most `ttl_s` seconds. Only the compute thread touches it.
+parameters not counted, predicted values counted) and for at most `ttl_s` seconds. Only the
+compute thread touches it.
 """
 
 from __future__ import annotations
@@ -27,6 +35,10 @@ class Kept:
     output: torch.Tensor  # the forward's output, its graph attached
     nbytes: int
     at: float
+    step: int = 0  # the update its gradient was computed for
+    # async look-ahead: the predicted parameter values the forward ran at (swapped in again for
+    # its backward), None at the current parameters
+    params: list[torch.Tensor] | None = None
 
 
 @dataclass
@@ -70,7 +82,15 @@ class ActivationCache:
     def __len__(self) -> int:
         return len(self._kept)
 
-    def put(self, key: str, inputs: torch.Tensor, output: torch.Tensor, nbytes: int) -> bool:
+    def put(
+        self,
+        key: str,
+        inputs: torch.Tensor,
+        output: torch.Tensor,
+        nbytes: int,
+        step: int = 0,
+        params: list[torch.Tensor] | None = None,
+    ) -> bool:
         """Keep a forward's graph; False (nothing kept) when it alone is over the budget."""
         if not key or nbytes > self.budget_bytes:
             return False
@@ -81,21 +101,21 @@ class ActivationCache:
         self._expire(now)
         while self._kept and self._bytes + nbytes > self.budget_bytes:
             self._evict_oldest()
-        self._kept[key] = Kept(inputs, output, nbytes, now)
+        self._kept[key] = Kept(inputs, output, nbytes, now, step, params)
         self._bytes += nbytes
         self.counters.activations_kept += 1
         return True
 
-    def take(self, key: str, inputs: torch.Tensor) -> Kept | None:
+    def take(self, key: str, inputs: torch.Tensor, step: int = 0) -> Kept | None:
         """The kept forward of `key` (removed: a graph runs backward once) if its input is the one
-        given; counts a hit or a miss."""
+        given and it was computed for update `step`; counts a hit or a miss."""
         self._expire(time.monotonic())
         kept = self._kept.pop(key, None) if key else None
         if kept is not None:
             self._bytes -= kept.nbytes
-            same = kept.inputs.shape == inputs.shape and kept.inputs.dtype == inputs.dtype
+            same = kept.inputs.shape == inputs.shape and kept.inputs.dtype == inputs.dtype and kept.step == step
             if not (same and torch.equal(kept.inputs.detach(), inputs.to(kept.inputs.device))):
-                kept = None  # same id, other data: recompute from what the request carries
+                kept = None  # same id, other data or another update: recompute from what the request carries
         if kept is None:
             self.counters.activation_misses += 1
         else:
