@@ -165,3 +165,23 @@ def test_a_forward_ahead_at_predicted_parameters_is_kept_and_its_backward_sees_t
     finally:
         kept.stop()
         plain.stop()
+
+
+def test_a_graph_kept_at_an_outdated_prediction_is_recomputed():
+    """More of the pending update's gradient arrived between the forward and its backward: the
+    prediction moved, and the backward is recomputed at the new one (as before graphs were kept)."""
+    torch.manual_seed(0)
+    ex = StageExecutor(
+        build_stage(GPT, 1, 3), OptimConfig(lr=1e-1, warmup_steps=0), predict_params=True, prior_samples=0,
+        activation_budget_bytes=8 << 20,
+    )  # fmt: skip
+    try:
+        x0, g0, x1, g1, x, g = (torch.randn(2, 8, 16) for _ in range(6))
+        ex.backward(x0, g0, None, "pending-a", tag=0).result(timeout=30)
+        assert ex.forward(x, key="f", tag=1).result(timeout=30).predicted
+        ex.backward(x1, g1, None, "pending-b", tag=0).result(timeout=30)  # the prediction moves
+        back = ex.backward(x, g, None, "next", tag=1, forward_key="f").result(timeout=30)
+        assert back.predicted and ex.activations.counters.activation_misses == 1
+        assert ex.activations.counters.activation_hits == 0
+    finally:
+        ex.stop()

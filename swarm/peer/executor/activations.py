@@ -11,9 +11,10 @@ loaded state) since its forward.
 
 A forward that ran ahead at predicted parameters (async look-ahead: they are swapped into the
 parameters' `.data` for one batch) keeps those values with its graph: autograd saved the parameter
-tensors themselves, so the backward swaps the same values in again and computes the gradient at
-the parameters its forward ran at (a recompute would use the prediction of the moment, which may
-have moved with the mates' sums since).
+tensors themselves, so the backward swaps the same values in again. It is used only while that
+prediction is still the latest: once more of the stage's gradient for the pending update is known
+(this peer's own or a mate's sum), the backward is recomputed at the better prediction, as it was
+before graphs were kept, so the look-ahead's quality does not change.
 
 Bounded: entries are kept least-recently-used within `budget_bytes` (the saved tensors' bytes,
 parameters not counted, predicted values counted) and for at most `ttl_s` seconds. Only the
@@ -64,6 +65,13 @@ def saved_bytes(params: list[torch.Tensor]):
     return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), total
 
 
+def _same_values(a: list[torch.Tensor] | None, b: list[torch.Tensor] | None) -> bool:
+    """Both None, or the same tensors (the same storage: `p.data` hands out aliases, not the object)."""
+    if a is None or b is None:
+        return a is b
+    return len(a) == len(b) and all(x.data_ptr() == y.data_ptr() for x, y in zip(a, b, strict=True))
+
+
 class ActivationCache:
     def __init__(self, budget_bytes: int, ttl_s: float = 60.0) -> None:
         self.budget_bytes, self.ttl_s = budget_bytes, ttl_s
@@ -106,14 +114,18 @@ class ActivationCache:
         self.counters.activations_kept += 1
         return True
 
-    def take(self, key: str, inputs: torch.Tensor, step: int = 0) -> Kept | None:
+    def take(
+        self, key: str, inputs: torch.Tensor, step: int = 0, params: list[torch.Tensor] | None = None
+    ) -> Kept | None:
         """The kept forward of `key` (removed: a graph runs backward once) if its input is the one
-        given and it was computed for update `step`; counts a hit or a miss."""
+        given and it was computed for update `step` at `params` (the same predicted values, or None:
+        the current parameters); counts a hit or a miss."""
         self._expire(time.monotonic())
         kept = self._kept.pop(key, None) if key else None
         if kept is not None:
             self._bytes -= kept.nbytes
-            same = kept.inputs.shape == inputs.shape and kept.inputs.dtype == inputs.dtype and kept.step == step
+            same = kept.inputs.shape == inputs.shape and kept.inputs.dtype == inputs.dtype
+            same = same and kept.step == step and _same_values(kept.params, params)
             if not (same and torch.equal(kept.inputs.detach(), inputs.to(kept.inputs.device))):
                 kept = None  # same id, other data or another update: recompute from what the request carries
         if kept is None:

@@ -291,10 +291,14 @@ class StageExecutor(StageUpdates, ComputeThread):
         groups: list[tuple[list[Task], Kept | None]] = []
         recompute: list[Task] = []
         # the gradient goes into update `target_step`: a graph kept for another (its forward ran
-        # before the accumulator it meant froze, or at other parameters) is recomputed
-        want = target_step if self.predict_params and target_step > self.step else self.step
+        # before the accumulator it meant froze, or at other parameters) is recomputed, and so is one
+        # kept at a prediction that is no longer the latest (more of the stage's gradient is known
+        # since: the recompute uses the better prediction, as it did before graphs were kept)
+        ahead = self.predict_params and target_step > self.step
+        want = target_step if ahead else self.step
+        latest = self.lookahead.predicted(self.acc.pending(self.step), self.step) if ahead else None
         for task in tasks:
-            kept = self.activations.take(task.forward_key, task.inputs, want) if task.forward_key else None
+            kept = self.activations.take(task.forward_key, task.inputs, want, latest) if task.forward_key else None
             if kept is None:
                 recompute.append(task)
             else:
