@@ -1,24 +1,15 @@
 """The forward's saved activations, kept for the backward of the same microbatch on the same peer.
 
 Without it a peer's backward is stateless: it recomputes the forward from the stage input the
-request carries (forward + forward + backward: x1.33 the compute). With it, a training forward
-keeps its autograd graph, keyed by the trainer's forward request id; the backward that names that
-id (BackwardRequest.forward_id) and lands on this peer runs the backward pass on the kept graph.
-Anything else recomputes as before: a backward on another peer (the first one died, or the wiring
-chose a mate), one whose gradient now goes into another update than its forward's, an entry
-evicted for the budget or its age, or one dropped because the parameters changed (an update, a
-loaded state) since its forward.
-
-A forward that ran ahead at predicted parameters (async look-ahead: they are swapped into the
-parameters' `.data` for one batch) keeps those values with its graph: autograd saved the parameter
-tensors themselves, so the backward swaps the same values in again. It is used only while that
-prediction is still the latest: once more of the stage's gradient for the pending update is known
-(this peer's own or a mate's sum), the backward is recomputed at the better prediction, as it was
-before graphs were kept, so the look-ahead's quality does not change.
+request carries (forward + forward + backward: x1.33 the compute). With it, a training forward at
+the current parameters keeps its autograd graph, keyed by the trainer's forward request id; the
+backward that names that id (BackwardRequest.forward_id) and lands on this peer runs the backward
+pass on the kept graph. Anything else recomputes as before: a backward on another peer (the first
+one died, or the wiring chose a mate), an entry evicted for the budget or its age, or one dropped
+because the parameters changed (an update, a loaded state) since its forward.
 
 Bounded: entries are kept least-recently-used within `budget_bytes` (the saved tensors' bytes,
-parameters not counted, predicted values counted) and for at most `ttl_s` seconds. Only the
-compute thread touches it.
+parameters not counted) and for at most `ttl_s` seconds. Only the compute thread touches it.
 """
 
 from __future__ import annotations
@@ -36,10 +27,6 @@ class Kept:
     output: torch.Tensor  # the forward's output, its graph attached
     nbytes: int
     at: float
-    step: int = 0  # the update its gradient was computed for
-    # async look-ahead: the predicted parameter values the forward ran at (swapped in again for
-    # its backward), None at the current parameters
-    params: list[torch.Tensor] | None = None
 
 
 @dataclass
@@ -65,13 +52,6 @@ def saved_bytes(params: list[torch.Tensor]):
     return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), total
 
 
-def _same_values(a: list[torch.Tensor] | None, b: list[torch.Tensor] | None) -> bool:
-    """Both None, or the same tensors (the same storage: `p.data` hands out aliases, not the object)."""
-    if a is None or b is None:
-        return a is b
-    return len(a) == len(b) and all(x.data_ptr() == y.data_ptr() for x, y in zip(a, b, strict=True))
-
-
 class ActivationCache:
     def __init__(self, budget_bytes: int, ttl_s: float = 60.0) -> None:
         self.budget_bytes, self.ttl_s = budget_bytes, ttl_s
@@ -90,15 +70,7 @@ class ActivationCache:
     def __len__(self) -> int:
         return len(self._kept)
 
-    def put(
-        self,
-        key: str,
-        inputs: torch.Tensor,
-        output: torch.Tensor,
-        nbytes: int,
-        step: int = 0,
-        params: list[torch.Tensor] | None = None,
-    ) -> bool:
+    def put(self, key: str, inputs: torch.Tensor, output: torch.Tensor, nbytes: int) -> bool:
         """Keep a forward's graph; False (nothing kept) when it alone is over the budget."""
         if not key or nbytes > self.budget_bytes:
             return False
@@ -109,25 +81,21 @@ class ActivationCache:
         self._expire(now)
         while self._kept and self._bytes + nbytes > self.budget_bytes:
             self._evict_oldest()
-        self._kept[key] = Kept(inputs, output, nbytes, now, step, params)
+        self._kept[key] = Kept(inputs, output, nbytes, now)
         self._bytes += nbytes
         self.counters.activations_kept += 1
         return True
 
-    def take(
-        self, key: str, inputs: torch.Tensor, step: int = 0, params: list[torch.Tensor] | None = None
-    ) -> Kept | None:
+    def take(self, key: str, inputs: torch.Tensor) -> Kept | None:
         """The kept forward of `key` (removed: a graph runs backward once) if its input is the one
-        given and it was computed for update `step` at `params` (the same predicted values, or None:
-        the current parameters); counts a hit or a miss."""
+        given; counts a hit or a miss."""
         self._expire(time.monotonic())
         kept = self._kept.pop(key, None) if key else None
         if kept is not None:
             self._bytes -= kept.nbytes
             same = kept.inputs.shape == inputs.shape and kept.inputs.dtype == inputs.dtype
-            same = same and kept.step == step and _same_values(kept.params, params)
             if not (same and torch.equal(kept.inputs.detach(), inputs.to(kept.inputs.device))):
-                kept = None  # same id, other data or another update: recompute from what the request carries
+                kept = None  # same id, other data: recompute from what the request carries
         if kept is None:
             self.counters.activation_misses += 1
         else:

@@ -180,34 +180,33 @@ class StageExecutor(StageUpdates, ComputeThread):
             return contextlib.nullcontext(False)
         return self.lookahead.parameters_for(own, self.step, gradient_samples)
 
-    def _keeps_activations(self) -> bool:
-        """Whether training forwards keep their graphs (the cache is cleared whenever the
-        parameters change; a forward at predicted parameters keeps those values too)."""
-        return self.activations.enabled and not self.is_last
+    def _keeps_activations(self, step: int) -> bool:
+        """Whether work for update `step` runs at the current parameters, the only ones a kept graph
+        can hold (a prediction's parameters are swapped in for one batch, and the cache is cleared
+        whenever the parameters change)."""
+        return self.activations.enabled and not self.is_last and not (self.predict_params and step > self.step)
 
-    def _forward_kept(self, task: Task, step: int) -> tuple[torch.Tensor, bool]:
-        """One training forward for update `step` with its graph, kept under the task's key for its
-        backward; (its output, whether at predicted parameters)."""
+    def _forward_kept(self, task: Task) -> torch.Tensor:
+        """One training forward with its graph, kept under the task's key for its backward."""
         x = task.inputs.to(self.device, non_blocking=True)
         if self.inputs_are_float:
             x = x.detach().requires_grad_(True)
         hooks, saved = saved_bytes(self.params)
-        with torch.enable_grad(), hooks, self._parameters_for(step, 0, task.reference) as predicted:
+        with torch.enable_grad(), hooks:
             out = self._call_module(x, None)
-            values = [p.data for p in self.params] if predicted else None
         kept_bytes = saved[0] + out.numel() * out.element_size() + x.numel() * x.element_size()
-        self.activations.put(task.request_id, x, out, kept_bytes, step if predicted else self.step, values)
-        return out.detach(), predicted
+        self.activations.put(task.request_id, x, out, kept_bytes)
+        return out.detach()
 
     def _run_forward(self, tasks: list[Task], train: bool) -> None:
         start = time.perf_counter()
         self.module.train(train)
         step = max(tasks[0].tag, self.acc.accumulating_step) if train else 0
         predicted = False
-        if train and self._keeps_activations() and any(t.request_id for t in tasks):
+        if train and self._keeps_activations(step) and any(t.request_id for t in tasks):
             # one graph per microbatch: its backward comes alone
-            parts, ahead = zip(*(self._forward_kept(t, step) for t in tasks), strict=True)
-            out, predicted = (parts[0] if len(parts) == 1 else torch.cat(parts)), any(ahead)
+            parts = [self._forward_kept(t) for t in tasks]
+            out = parts[0] if len(parts) == 1 else torch.cat(parts)
         else:
             x = self._cat([t.inputs for t in tasks])
             targets = self._cat([t.targets for t in tasks]) if self.is_last else None
@@ -256,19 +255,14 @@ class StageExecutor(StageUpdates, ComputeThread):
         return param_grads, grad_input, losses, self._check_gradients(param_grads, grad_input), predicted
 
     def _gradients_kept(self, task: Task, kept: Kept):
-        """The same from a kept forward: the backward pass only (at the predicted values its forward
-        ran at, swapped in again, if it ran ahead)."""
+        """The same from a kept forward: the backward pass only."""
         grad_out = task.grad_output.to(self.device, non_blocking=True)
         wrt = self.params + ([kept.inputs] if self.inputs_are_float else [])
-        swap = contextlib.nullcontext() if kept.params is None else self.lookahead.swapped_in(kept.params)
-        with torch.enable_grad(), swap:
+        with torch.enable_grad():
             grads = torch.autograd.grad(kept.output, wrt, grad_outputs=grad_out, allow_unused=True)
-        if kept.params is not None:
-            self.lookahead.counters.predicted_samples += task.size
         param_grads = list(grads[: len(self.params)])
         grad_input = grads[-1] if self.inputs_are_float else None
-        largest = self._check_gradients(param_grads, grad_input)
-        return param_grads, grad_input, None, largest, kept.params is not None
+        return param_grads, grad_input, None, self._check_gradients(param_grads, grad_input), False
 
     def _check_gradients(self, param_grads: list[torch.Tensor | None], grad_input: torch.Tensor | None) -> float:
         """NonFiniteResult unless every gradient is finite; a bound on the |elements| of the parameters' (abs_bound)."""
@@ -286,19 +280,13 @@ class StageExecutor(StageUpdates, ComputeThread):
         rest (recomputed together)."""
         if duplicate:
             return [(tasks, None)]
-        if not self._keeps_activations():
+        if not self._keeps_activations(target_step):  # computed at predicted parameters: nothing kept
+            self.activations.counters.activation_misses += sum(1 for t in tasks if t.forward_key)
             return [(tasks, None)]
         groups: list[tuple[list[Task], Kept | None]] = []
         recompute: list[Task] = []
-        # the gradient goes into update `target_step`: a graph kept for another (its forward ran
-        # before the accumulator it meant froze, or at other parameters) is recomputed, and so is one
-        # kept at a prediction that is no longer the latest (more of the stage's gradient is known
-        # since: the recompute uses the better prediction, as it did before graphs were kept)
-        ahead = self.predict_params and target_step > self.step
-        want = target_step if ahead else self.step
-        latest = self.lookahead.predicted(self.acc.pending(self.step), self.step) if ahead else None
         for task in tasks:
-            kept = self.activations.take(task.forward_key, task.inputs, want, latest) if task.forward_key else None
+            kept = self.activations.take(task.forward_key, task.inputs) if task.forward_key else None
             if kept is None:
                 recompute.append(task)
             else:

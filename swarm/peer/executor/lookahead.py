@@ -70,19 +70,11 @@ class LookAhead:
         self.counters.predicted_samples += gradient_samples
         if len(self._prediction[0][2]) > 0:  # the cache key lists the mates' sums it used
             self.counters.predicted_with_mates_samples += gradient_samples
-        with self.swapped_in(predicted):
-            yield True
-
-    @contextlib.contextmanager
-    def swapped_in(self, values: list[torch.Tensor]) -> Iterator[None]:
-        """The parameters hold `values` (the same tensor objects) until the block ends. A graph
-        recorded under a swap saved the parameters themselves: its backward must run under the same
-        swap to see the values its forward saw (swarm.peer.executor.activations)."""
         saved = [p.data for p in self.params]
-        for p, q in zip(self.params, values, strict=True):
+        for p, q in zip(self.params, predicted, strict=True):
             p.data = q
         try:
-            yield
+            yield True
         finally:
             for p, d in zip(self.params, saved, strict=True):
                 p.data = d
