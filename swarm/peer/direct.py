@@ -98,12 +98,11 @@ class DirectRound:
         values, samples, header = await self.fetch(
             peer_id, self.request(frozen=True, **fields), numel, None if shard is None else list(shard)
         )
-        epoch = header.get("epoch")
-        if epoch != dict(self.agreement.members)[peer_id] or samples != self.expected_samples.get(peer_id):
+        epoch, agreed = header.get("epoch"), dict(self.agreement.members)[peer_id]
+        if epoch != agreed or samples != self.expected_samples.get(peer_id):
             raise AveragingFailed(
                 f"direct averaging for step {self.step}: {peer_id[-6:]} sent epoch {epoch!r} with {samples} "
-                f"samples; the stage agreed on epoch {dict(self.agreement.members)[peer_id]} with "
-                f"{self.expected_samples.get(peer_id)}"
+                f"samples; the stage agreed on epoch {agreed} with {self.expected_samples.get(peer_id)}"
             )
         waited = header.get("waited_ms", 0.0)
         waited_s = float(waited) / 1000 if isinstance(waited, int | float) and 0 <= waited < 1e7 else 0.0
@@ -116,16 +115,20 @@ def _mean(flat: torch.Tensor, samples: int, params: list[torch.Tensor]) -> list[
     return [g.view(p.shape).to(p.dtype) for g, p in zip(parts, params, strict=True)]
 
 
-async def _whole(own: Accumulated, rnd: DirectRound, order: list[str], numel: int) -> tuple[torch.Tensor, list]:
-    """(the stage-wide sum, the mates' straggler waits): every mate's whole frozen sum, fetched."""
+async def _reduce(
+    own: Accumulated, rnd: DirectRound, order: list[str], lo: int, hi: int, shard: tuple[int, int] | None
+) -> tuple[torch.Tensor, list]:
+    """(elements [lo, hi) of the stage-wide sum, the mates' straggler waits): that range of every
+    mate's frozen sum (`shard`, or the whole sum), fetched and added to this peer's in peer-id order,
+    the same additions in the same order on every member and in either path: bit for bit the same."""
     mates = [p for p in order if p != rnd.own_id]
-    fetched = await asyncio.gather(*(rnd.fetch_frozen(p, numel, None) for p in mates))
-    sums = dict(zip(mates, (values for values, _ in fetched), strict=True))
-    sums[rnd.own_id] = None if not own.grads else flat_range(own.grads, 0, numel)
-    total = torch.zeros(numel, dtype=torch.float32)
-    for peer_id in order:  # the same order on every member: the same sum, bit for bit
-        if sums[peer_id] is not None:
-            total.add_(sums[peer_id])
+    fetched = await asyncio.gather(*(rnd.fetch_frozen(p, hi - lo, shard) for p in mates))
+    parts = dict(zip(mates, (values for values, _ in fetched), strict=True))
+    parts[rnd.own_id] = None if not own.grads else flat_range(own.grads, lo, hi)
+    total = torch.zeros(hi - lo, dtype=torch.float32)
+    for peer_id in order:
+        if parts[peer_id] is not None:
+            total.add_(parts[peer_id])
     return total, [w for _, w in fetched]
 
 
@@ -136,15 +139,7 @@ async def _sharded(
     publishes it for its mates, and gathers theirs."""
     count, index = len(order), order.index(rnd.own_id)
     bounds = shard_bounds(numel, count)
-    lo, hi = bounds[index]
-    mates = [p for p in order if p != rnd.own_id]
-    fetched = await asyncio.gather(*(rnd.fetch_frozen(p, hi - lo, (index, count)) for p in mates))
-    slices = dict(zip(mates, (values for values, _ in fetched), strict=True))
-    slices[rnd.own_id] = None if not own.grads else flat_range(own.grads, lo, hi)
-    reduced = torch.zeros(hi - lo, dtype=torch.float32)
-    for peer_id in order:  # the same additions in the same order as `_whole`, element by element
-        if slices[peer_id] is not None:
-            reduced.add_(slices[peer_id])
+    reduced, waits = await _reduce(own, rnd, order, *bounds[index], (index, count))
     digest = agreement_digest(rnd.agreement, rnd.expected_samples)
     publish(ReducedShard(rnd.step, digest, index, count, rnd.agreement.samples, reduced))
 
@@ -156,9 +151,10 @@ async def _sharded(
             raise AveragingFailed(f"direct averaging for step {rnd.step}: {peer_id[-6:]}'s shard of {samples} samples")
         return values
 
+    mates = [p for p in order if p != rnd.own_id]
     shards = dict(zip(mates, await asyncio.gather(*(gather_shard(p) for p in mates)), strict=True))
     shards[rnd.own_id] = reduced
-    return torch.cat([shards[p] for p in order]), [w for _, w in fetched]
+    return torch.cat([shards[p] for p in order]), waits
 
 
 async def average_direct(
@@ -192,6 +188,6 @@ async def average_direct(
     if sharded:
         total, waits = await _sharded(own, rnd, order, numel, publish)
     else:
-        total, waits = await _whole(own, rnd, order, numel)
+        total, waits = await _reduce(own, rnd, order, 0, numel, None)
     mean = _mean(total, agreement.samples, params)
     return AveragedGradient(mean, tuple(order), time.monotonic() - start, max(waits, default=0.0), sharded)

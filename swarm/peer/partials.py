@@ -109,23 +109,26 @@ def requested_shard(request: pb.PartialRequest) -> tuple[int, int] | None:
     return index, count
 
 
-async def reduced_chunks(executor: StageExecutor, request: pb.PartialRequest) -> AsyncIterator[bytes]:
-    """This peer's shard of the stage-wide frozen sum of update `request.step`, reduced over the
-    agreement `request.agreement` (swarm.peer.direct); waits up to REDUCED_WAIT_S for it to be
-    reduced here (a mate that finished its own shard first asks before this one is done)."""
-    index, count = requested_shard(request) or (0, 0)
+async def reduced_chunks(
+    executor: StageExecutor, request: pb.PartialRequest, shard: tuple[int, int]
+) -> AsyncIterator[bytes]:
+    """This peer's shard (`shard`: index, count) of the stage-wide frozen sum of update
+    `request.step`, reduced over the agreement `request.agreement` (swarm.peer.direct); waits up to
+    REDUCED_WAIT_S for it to be reduced here (a mate that finished its own shard first asks before
+    this one is done)."""
+    index, count = shard
     step, deadline = int(request.step), time.monotonic() + REDUCED_WAIT_S
     while True:
-        shard = executor.reduced_shard
-        if shard is not None and (shard.step, shard.agreement) == (step, request.agreement):
+        held = executor.reduced_shard
+        if held is not None and (held.step, held.agreement) == (step, request.agreement):
             break
         if time.monotonic() >= deadline:
             raise PartialUnavailable(f"no shard of update {step} reduced here over that agreement")
         await asyncio.sleep(FROZEN_POLL_S)
-    if (shard.index, shard.count) != (index, count):
-        raise PartialUnavailable(f"this peer reduced shard {shard.index} of {shard.count}, not {index} of {count}")
-    data = shard.values.numpy().tobytes()
-    meta = {"samples": shard.samples, "dtype": "float32", "shard": [index, count]}
+    if (held.index, held.count) != (index, count):
+        raise PartialUnavailable(f"this peer reduced shard {held.index} of {held.count}, not {index} of {count}")
+    data = held.values.numpy().tobytes()
+    meta = {"samples": held.samples, "dtype": "float32", "shard": [index, count]}
     async for chunk in blob_chunks(data, checksum=False, step=step, **meta):
         yield chunk
 
@@ -138,7 +141,7 @@ async def partial_chunks(executor: StageExecutor, request: pb.PartialRequest) ->
     their fingerprints catch: swarm.peer.stepping, "diverged")."""
     step, frozen, shard = int(request.step), request.frozen, requested_shard(request)
     if request.reduced:
-        async for chunk in reduced_chunks(executor, request):
+        async for chunk in reduced_chunks(executor, request, shard):
             yield chunk
         return
     if frozen:
