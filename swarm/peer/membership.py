@@ -146,9 +146,9 @@ class Membership:
         Path(self.cfg.ledger_dir).mkdir(parents=True, exist_ok=True)
         return Path(self.cfg.ledger_dir) / f"stage{stage}-{self.peer_id[-12:]}.jsonl"
 
-    def may_move(self) -> bool:
-        """Online, and not just joined or moved."""
-        cooling = time.monotonic() - self.last_placement < self.cfg.move_cooldown_s
+    def may_move(self, urgent: bool = False) -> bool:
+        """Online, and not just joined or moved (`urgent`: a stage is empty, the swarm is stalled)."""
+        cooling = not urgent and time.monotonic() - self.last_placement < self.cfg.move_cooldown_s
         return self.serving.state == PeerState.ONLINE and not cooling
 
     def read_records(self) -> dict[int, list[PeerEntry]]:

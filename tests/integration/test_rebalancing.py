@@ -89,8 +89,11 @@ def test_peers_move_off_a_crowded_stage_and_recover_after_a_kill(make_swarm, rea
     swarm.start_trainers(on_line=progress)
     wait_for(lambda: progress.latest() >= 2, 120, "training to start")
     t0 = time.monotonic()
-    # all 5 peers placed: a peer in the middle of its move serves no stage ([2, 1, 1] is not a move done)
-    moved = lambda s: sum(layout(s)) == 5 and max(layout(s)) <= 2 and min(layout(s)) >= 1  # noqa: E731
+    # all 5 peers placed: a peer in the middle of its move serves no stage ([2, 1, 1] is not a move done).
+    # Not "at most 2 per stage": where stage 2 (head and loss) measures ~3.5x slower per peer than
+    # stage 0, as on CI, [1, 1, 3] is the best layout and two peers rightly move there (CI once timed
+    # out on a former `max(layout) <= 2`, last seen [1, 1, 3] after moves (0, 2), (0, 2)).
+    moved = lambda s: sum(layout(s)) == 5 and layout(s)[0] <= 2 and min(layout(s)) >= 1  # noqa: E731
     st = wait_for_status(read, moved, 60, "a move off stage 0")
     print("moved within", round(time.monotonic() - t0, 1), "s; layout", layout(st))
     moves = [e for e in st["events"] if e["event"] == "move"]
@@ -100,10 +103,10 @@ def test_peers_move_off_a_crowded_stage_and_recover_after_a_kill(make_swarm, rea
     print("move seconds:", [m["seconds"] for m in moves])
     assert all(m["seconds"] < 60 for m in moves), moves
 
-    # SIGKILL one peer of a stage that holds 2, from a fresh status
-    st = wait_for_status(read, lambda s: 2 in layout(s), 60, "a stage of 2 peers")
+    # SIGKILL one peer of a stage that holds 2 or more, from a fresh status
+    st = wait_for_status(read, lambda s: max(layout(s)) >= 2, 60, "a stage of 2 or more peers")
     chosen_at = time.time()
-    crowded = next(stage for stage in st["stages"] if layout({"stages": [stage]})[0] == 2)
+    crowded = next(stage for stage in st["stages"] if layout({"stages": [stage]})[0] >= 2)
     victim_id = next(p["id"] for p in crowded["peers"] if p["state"] == "online")
     step_before_kill = progress.latest()
     victim = next(p for p in swarm.peers if p.ready["peer_id"] == victim_id)
