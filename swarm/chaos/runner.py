@@ -30,6 +30,8 @@ logger = logging.getLogger(__name__)
 STEP_WAIT_S = 300.0
 REAP_WAIT_S = 20.0
 SUMMARY_WAIT_S = 240.0
+# a scheduled fault that found no victim is tried again this often (until the next one is due)
+RETRY_S = 0.5
 
 
 class StepWatch:
@@ -84,20 +86,31 @@ def _fault_times(opts: ChaosOptions, rng: random.Random, seconds: float) -> list
 
 
 def _inject(ctx: FaultContext, times: list[tuple[float, str | None]], start: float, deadline: float) -> None:
-    for at, kind in times:
+    """Each fault at its time. A scheduled kind (`--schedule`) that finds no victim now (e.g. every stage
+    with two serving peers has one held or not yet replaced) is tried again until the next fault is due:
+    a schedule names faults that must happen, and on a loaded machine a replacement joins later."""
+    for i, (at, kind) in enumerate(times):
         while time.monotonic() < start + at:
             time.sleep(min(0.2, start + at - time.monotonic()))
-        if time.monotonic() >= deadline:
-            return
-        kinds = [kind] if kind else ctx.rng.sample(ctx.opts.kinds, len(ctx.opts.kinds))
-        with ctx.lock:
-            for k in kinds:
-                what = FAULTS[k](ctx)
-                if what is not None:
-                    ctx.counts[k] += 1
-                    at = f"{time.strftime('%H:%M:%S')} t={time.monotonic() - start:6.1f}s"
-                    print(f"chaos {at}  {k:<11} {what}", file=sys.stderr, flush=True)
-                    break
+        retry_until = min(deadline, start + times[i + 1][0]) if kind and i + 1 < len(times) else deadline
+        while time.monotonic() < deadline and not _inject_one(ctx, kind, start):
+            if not kind or time.monotonic() + RETRY_S >= retry_until:
+                break
+            time.sleep(RETRY_S)
+
+
+def _inject_one(ctx: FaultContext, kind: str | None, start: float) -> bool:
+    """One fault of `kind` (or of the first kind, in random order, that finds a victim): whether one happened."""
+    kinds = [kind] if kind else ctx.rng.sample(ctx.opts.kinds, len(ctx.opts.kinds))
+    with ctx.lock:
+        for k in kinds:
+            what = FAULTS[k](ctx)
+            if what is not None:
+                ctx.counts[k] += 1
+                at = f"{time.strftime('%H:%M:%S')} t={time.monotonic() - start:6.1f}s"
+                print(f"chaos {at}  {k:<11} {what}", file=sys.stderr, flush=True)
+                return True
+    return False
 
 
 def _leftovers(swarm: LocalSwarm) -> int:

@@ -47,7 +47,8 @@ def cmd_compose_up(args: argparse.Namespace) -> int:
         print(f"swarm compose-up: {e} (--timeout {args.timeout:.0f}); every container was stopped", file=sys.stderr)
         return 1
     summaries = {n: p.summary for n, p in result.containers.items() if p.summary is not None}
-    print(json.dumps({"exit_code": result.exit_code, "exited": result.exited, "summaries": summaries}))
+    out = {"exit_code": result.exit_code, "exited": result.exited, "lab": result.lab, "summaries": summaries}
+    print(json.dumps(out))
     if result.exit_code:
         proc = result.containers[result.exited]
         print(f"{result.exited} exited with code {result.exit_code}; log {proc.log_path}:", file=sys.stderr)

@@ -40,6 +40,7 @@ class ComposeResult:
     exit_code: int
     exited: str  # the container whose exit ended the run
     containers: dict[str, ManagedProcess] = field(default_factory=dict)
+    lab: str = ""  # the lab's key: its namespaces are named swnl-KEY-* (gone once the run returns)
 
 
 class ComposeRun:
@@ -108,7 +109,7 @@ class ComposeRun:
                 return ComposeResult(proc.proc.returncode or 1, name, self.containers)
             if all(not p.alive() for p in target):
                 code = next((p.proc.returncode for p in target if p.proc.returncode), 0)
-                return ComposeResult(code, target[0].name, self.containers)
+                return ComposeResult(code, target[0].name, self.containers, self.lab.lab.key)
             time.sleep(0.5)
         raise TimeoutError(f"{exit_from} did not finish within {timeout_s:.0f} s")
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from swarm.netlab import check_available
+from swarm.netlab import check_available, naming
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,7 +22,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 def test_compose_file_trains(tmp_path):
     check_available()
     shared_existed = os.path.exists("/shared")
-    before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     argv = [sys.executable, "-m", "swarm.cli", "compose-up", "-f", str(ROOT / "docker" / "compose.yaml"),
             "--exit-code-from", "trainer", "--workdir", str(tmp_path), "--env", "STEPS=3"]  # fmt: skip
     proc = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=540, start_new_session=True)
@@ -39,6 +38,7 @@ def test_compose_file_trains(tmp_path):
     coordinator_log = (tmp_path / "logs" / "swarm-coordinator-1.log").read_text()
     assert "run compose: join with" in coordinator_log  # ${RUN_ID:-compose}, then "$$RUN_ID" in the shell
     assert "serving stage" in (tmp_path / "logs" / "swarm-peer-3.log").read_text()
+    # this run's lab is gone (only its own: other tests' labs may come and go meanwhile)
     after = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert {line for line in after.splitlines() if "swnl-" in line} <= set(before.splitlines())
+    assert len(result["lab"]) == 6 and naming.lab_prefix(result["lab"]) not in after
     assert os.path.exists("/shared") == shared_existed  # a mount point made for the run is gone

@@ -44,6 +44,7 @@ def test_three_stages_by_two_peers_train_over_the_internet_profile(make_swarm):
     assert swarm.initial_peers[0].startswith(f"/ip4/{hosts['coordinator'].ip}/")
 
 
+@pytest.mark.alone  # the share of work follows the link's cost against compute on free cores
 def test_a_ten_times_slower_link_gets_at_most_a_third_of_its_stage(make_swarm, tmp_path):
     """Stage 1's second peer has a 10 Mbit/s link, its mate 100 Mbit/s (the same delays): a microbatch's
     activations (512 KiB, uncompressed) and their gradient take 10x longer to cross it, and the trainer's

@@ -70,6 +70,7 @@ def wait_for_status(read, predicate, timeout: float, what: str) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # moves follow the peers' measured speeds
 @pytest.mark.timeout(420)
 def test_peers_move_off_a_crowded_stage_and_recover_after_a_kill(make_swarm, read_status, tmp_path):
     # checkpoints every step: if the victim's mate moves away in the instant of the kill, the stage
@@ -137,6 +138,7 @@ def test_peers_move_off_a_crowded_stage_and_recover_after_a_kill(make_swarm, rea
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # placement follows the peers' measured speeds
 @pytest.mark.timeout(300)
 def test_auto_placed_peers_spread_over_the_stages(make_swarm, read_status):
     swarm = make_swarm(stages=3, run_args=run_args(), peer_args=FAST_REBALANCE)
