@@ -19,6 +19,7 @@ fi
 .venv/bin/ruff format --check swarm tests scripts examples
 .venv/bin/lint-imports
 # two workers (pytest-xdist): a test mostly waits on its swarm's processes (the machine is about half busy
-# with one test at a time), so two at once take about 3/4 of the time. Tests must not assume they are
-# alone on the machine (e.g. a network lab test checks that its own namespaces are gone, not all of them).
-exec .venv/bin/python -m pytest --numprocesses 2 "$@"
+# with one test at a time); an idle worker steals queued tests, since the slow ones are unevenly spread.
+# Tests must not assume they are alone on the machine (a lab test checks that its own namespaces are gone,
+# not all of them); those marked `alone` run by themselves (tests/conftest.py).
+exec .venv/bin/python -m pytest --numprocesses 2 --dist worksteal "$@"
