@@ -160,3 +160,20 @@ def test_auto_placed_peers_spread_over_the_stages(make_swarm, read_status):
 
     st = wait_for_status(read, spread, 60, "the auto-placed peers to spread over the stages")
     print("layout", layout(st), "stage throughputs", [round(stage["throughput"]) for stage in st["stages"]])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_an_empty_stage_is_filled_within_seconds_not_after_the_cooldown(make_swarm, read_status):
+    """Peers started together (`--stage auto`, compose's replicas) can leave a stage empty; the swarm is
+    stalled then, so a peer of a stage that holds two moves there at once, not after the default 60 s
+    cooldown and 15 s period (kept here: no FAST_REBALANCE)."""
+    swarm = make_swarm(stages=3, run_args=run_args())
+    swarm.start_coordinator()
+    read = read_status(swarm)
+    for proc in [swarm.start_peer(stage, wait=False) for stage in (0, 0, 2)]:
+        proc.wait_ready(120)
+    t0 = time.monotonic()
+    st = wait_for_status(read, lambda s: layout(s) == [1, 1, 1], 30, "a peer to move into the empty stage 1")
+    print("filled within", round(time.monotonic() - t0, 1), "s")
+    assert [(e["src"], e["dst"]) for e in st["events"] if e["event"] == "move"] == [(0, 1)]
