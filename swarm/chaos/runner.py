@@ -92,9 +92,11 @@ def _inject(ctx: FaultContext, times: list[tuple[float, str | None]], start: flo
     for i, (at, kind) in enumerate(times):
         while time.monotonic() < start + at:
             time.sleep(min(0.2, start + at - time.monotonic()))
+        if time.monotonic() >= deadline:
+            return
         retry_until = min(deadline, start + times[i + 1][0]) if kind and i + 1 < len(times) else deadline
-        while time.monotonic() < deadline and not _inject_one(ctx, kind, start):
-            if not kind or time.monotonic() + RETRY_S >= retry_until:
+        while not _inject_one(ctx, kind, start):
+            if not kind or time.monotonic() + RETRY_S >= retry_until:  # retry_until <= deadline
                 break
             time.sleep(RETRY_S)
 
