@@ -39,8 +39,8 @@ STOP_TIMEOUT_S = 30.0
 class ComposeResult:
     exit_code: int
     exited: str  # the container whose exit ended the run
+    lab: str  # the lab's key: its namespaces are named swnl-KEY-* (gone once the run returns)
     containers: dict[str, ManagedProcess] = field(default_factory=dict)
-    lab: str = ""  # the lab's key: its namespaces are named swnl-KEY-* (gone once the run returns)
 
 
 class ComposeRun:
@@ -106,10 +106,10 @@ class ComposeRun:
             others = [(n, p) for n, p in self.containers.items() if p not in target and not p.alive()]
             if others:
                 name, proc = others[0]
-                return ComposeResult(proc.proc.returncode or 1, name, self.containers)
+                return ComposeResult(proc.proc.returncode or 1, name, self.lab.lab.key, self.containers)
             if all(not p.alive() for p in target):
                 code = next((p.proc.returncode for p in target if p.proc.returncode), 0)
-                return ComposeResult(code, target[0].name, self.containers, self.lab.lab.key)
+                return ComposeResult(code, target[0].name, self.lab.lab.key, self.containers)
             time.sleep(0.5)
         raise TimeoutError(f"{exit_from} did not finish within {timeout_s:.0f} s")
 
