@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from swarm.cluster.accusations import MAX_HINT_IDS, AccusationReads
 from swarm.core.settings import DHT_REFRESH_S, INFO_PERIOD_S, INFO_TIMEOUT_S, LIVENESS_WINDOW_S
 from swarm.core.states import PeerState
 from swarm.dht.node import SwarmDHT
@@ -103,6 +104,7 @@ class SwarmView:
         self.peers: dict[str, PeerStatus] = {}
         self.changed = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
+        self.hinted_reads: AccusationReads | None = None  # see start()
         self.dht_ok = False
         self.offline_seen: set[str] = set()
         self._dht_call: asyncio.Future | None = None
@@ -223,12 +225,18 @@ class SwarmView:
                     )  # fmt: skip
                     self.accused[accusation.accused] = accusation
 
+    def accused_hint(self) -> list[str]:
+        """The newest accused peers this view knows, for Info polls and answers (swarm.cluster.accusations)."""
+        return list(self.accused)[-MAX_HINT_IDS:] if self.accused else []
+
     async def _poll_one(self, status: PeerStatus, wait_for_step: int = 0, wait_s: float = 0.0) -> None:
         status.next_poll = time.monotonic() + self.info_period_s  # after a failure: try again at the base rate
         asked = time.monotonic()
         try:
             client = self.clients.get(status.load.address)
-            info = await client.info(timeout=self.info_timeout_s, wait_for_step=wait_for_step, wait_s=wait_s)
+            info = await client.info(
+                timeout=self.info_timeout_s, wait_for_step=wait_for_step, wait_s=wait_s, accused=self.accused_hint()
+            )
         except grpc.aio.AioRpcError:
             status.info_failures += 1
             return
@@ -253,6 +261,8 @@ class SwarmView:
         status.uptime_s = info.uptime_ms / 1000.0
         status.samples_processed = int(info.samples_processed)
         status.note = info.note
+        if info.accused and self.hinted_reads is not None:
+            self.hinted_reads.hint(info.accused)
         status.fallbacks = _fallbacks_of(info.fallbacks)
         status.load.reported_queue = float(info.queue_length)
         # Info is fresher than the DHT record; a peer that moved waits for its new record.
@@ -331,22 +341,15 @@ class SwarmView:
             await self.poll_info(self.poll_stages, due_only=True)
             await asyncio.sleep(self.info_period_s)
 
-    async def _accusations_loop(self, period_s: float) -> None:
-        while True:
-            await asyncio.sleep(period_s)
-            try:
-                await self.refresh_accusations()
-            except Exception as e:  # noqa: BLE001 - the next read, or the DHT refresh, tries again
-                logger.debug("reading the accusations failed: %s", e)
-
-    def start(self, poll_stages: set[int] | None = None, accusations_period_s: float | None = None) -> None:
+    def start(self, poll_stages: set[int] | None = None, read_hinted_accusations: bool = False) -> None:
         """Refresh the DHT records of all stages; poll Info of the peers of `poll_stages` (all if None;
-        a peer that moves changes `poll_stages`); with `accusations_period_s`, read the accusations that
-        often too (a trainer: it stops sending a liar work once it reads the accusation)."""
+        a peer that moves changes `poll_stages`); with `read_hinted_accusations`, read the accusations
+        as soon as an Info answer names a peer accused that this view does not know (a trainer: it
+        stops sending a liar work once it reads the accusation; swarm.cluster.accusations)."""
         self.poll_stages = poll_stages
+        if read_hinted_accusations:
+            self.hinted_reads = AccusationReads(self.refresh_accusations, lambda: set(self.peers) - set(self.accused))
         self._tasks = [asyncio.create_task(self._dht_loop()), asyncio.create_task(self._info_loop())]
-        if accusations_period_s:
-            self._tasks.append(asyncio.create_task(self._accusations_loop(accusations_period_s)))
 
     async def stop(self) -> None:
         for task in self._tasks:

@@ -217,6 +217,14 @@ class Peer:
 
         self.serving.on_mate_froze = mate_froze
 
+        def accused(peer_ids: list[str]) -> None:  # an Info poller names accused peers
+            stepper = None if self.membership.runtime is None else self.membership.runtime.stepper
+            if stepper is not None:
+                stepper.accusations.hint(peer_ids)
+
+        self.serving.on_accused = accused
+        self.serving.accused_hint = self.view.accused_hint
+
     async def _step_loop(self) -> None:
         """Apply the stage's pending update when it is due (swarm.peer.stepping decides)."""
         m = self.membership
@@ -293,7 +301,8 @@ class Peer:
         out["earlier_stages"] = {} if m is None else m.earlier_stages  # what it did before it moved
         out["partials_fetched"] = 0 if self.partials is None else self.partials.fetches
         stepper = None if m is None or m.runtime is None else m.runtime.stepper
-        out["slow_accusation_reads"] = 0 if stepper is None else stepper.slow_accusation_reads
+        out["slow_accusation_reads"] = 0 if stepper is None else stepper.accusations.slow_reads
+        out["accusation_reads"] = 0 if stepper is None else stepper.accusations.reads
         out["update_timeline"] = {} if stepper is None else stepper.timeline.as_dict()
         out["lane_calls"] = 0 if self.lane is None or self.lane.server is None else self.lane.server.calls
         return out

@@ -281,10 +281,13 @@ class StageService:
             request = messages.parse(pb.InfoRequest, raw)
         except Exception as e:  # noqa: BLE001 - every error becomes a status
             await abort(context, e)
+        if request.accused and self.serving.on_accused is not None:
+            self.serving.on_accused(list(request.accused))
         if request.wait_for_step > 0 and request.wait_ms > 0:
             await self.serving.wait_for_step(int(request.wait_for_step), request.wait_ms / 1000)
         answer = self.serving.info()
         answer.streams_peak = self.admission.streams_peak
+        answer.accused.extend(self.serving.accused_hint())
         pollers = self.pollers.seen(context.peer() or "")
         answer.poll_period_ms = round(1000 * info_period(pollers, INFO_PERIOD_S))
         return answer.SerializeToString()

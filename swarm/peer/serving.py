@@ -65,6 +65,9 @@ class ServingState:
         # a mate asked what this peer holds for an update it has not frozen: it froze it, so the stage
         # may hold its batch; re-read the mates' counts now rather than at the next Info round
         self.on_mate_froze: Callable[[], None] | None = None
+        # an Info poller names peers accused of lying (InfoRequest.accused): swarm.cluster.accusations
+        self.on_accused: Callable[[list[str]], object] | None = None
+        self.accused_hint: Callable[[], list[str]] = list  # ... and those this peer knows, for its answers
         # debug only (swarm.core.debug.FaultPlan.in_request): awaited with the executor's step before a
         # training request is computed
         self.before_compute: Callable[[int], Awaitable[None]] | None = None

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Callable
 from typing import Protocol
 
+from swarm.cluster.accusations import AccusationReads
 from swarm.cluster.view import PeerStatus
 from swarm.core.log import set_context
 from swarm.core.states import PeerState, UpdateReason
@@ -44,14 +44,6 @@ FINGERPRINT_TOLERANCE = 1e-9  # relative; rounding noise is orders of magnitude 
 AGREE_WAIT_S = 3.0  # how long a frozen peer waits for its mates to freeze the same update
 AGREE_POLL_S = 0.02
 CONTRIBUTIONS_TIMEOUT_S = 5.0
-# how long an update waits for the accusations read it starts: a DHT with a dead node in its routes (the
-# coordinator or a peer just killed, a cut link) answers a get only after hivemind's 3 s RPC timeout,
-# which held up every update of every stage for as long as the dead node stayed in the routes
-ACCUSATIONS_WAIT_S = 0.5
-# a peer alone in its stage (no mate to leave out of an update) starts a new read of the accusations at
-# most this often: a DHT get per update (4-5 a second in a fast pipeline) and a record store per update
-# took over a third of the DHT processes' CPU; its view re-reads them every 2 s, trainers every 0.5 s
-ACCUSATIONS_MIN_GAP_S = 1.0
 
 
 def fingerprints_agree(a: tuple[float, float], b: tuple[float, float], tol: float = FINGERPRINT_TOLERANCE) -> bool:
@@ -105,10 +97,8 @@ class StepCoordinator:
         self.direct_max, self.direct_timeout_s, self.shard_min_bytes = direct_max, direct_timeout_s, shard_min_bytes
         self.peer_id = mates.peer_id
         self.resyncs = 0
-        self.slow_accusation_reads = 0
-        self._accusations_read: asyncio.Future | None = None
-        self._accusations_started = -math.inf  # when the last read started (time.monotonic)
-        self._updated_at = -math.inf  # when the last update was applied
+        # read when a poller says a member is accused, not before every update (swarm.cluster.accusations)
+        self.accusations = AccusationReads(mates.refresh_accusations, self._unaccused_members)
         self.last_averaging_s = 0.0
         self.failed_rounds = 0
         self.timeline = UpdateTimeline()
@@ -183,9 +173,9 @@ class StepCoordinator:
                 if await self.mates.sync_from_mates(reference):
                     self.resyncs += 1
             return
-        # a peer accused a moment ago takes no part (its accusation is read while this one freezes)
+        # a peer accused a moment ago takes no part (a read its hint started is awaited while this one freezes)
         start = time.monotonic()
-        frozen, _ = await asyncio.gather(asyncio.wrap_future(ex.call(ex.take_accumulated)), self._read_accusations())
+        frozen, _ = await asyncio.gather(asyncio.wrap_future(ex.call(ex.take_accumulated)), self.accusations.wait())
         if self.mates.is_accused():  # this peer itself: its mates will not average with it
             await asyncio.wrap_future(ex.call(ex.unfreeze))
             return
@@ -212,7 +202,6 @@ class StepCoordinator:
         self.timeline.record(
             start, t_frozen, t_agreed, t_averaged, time.monotonic(), self._agree_waited, self._straggler_s
         )
-        self._prefetch_accusations()
         set_context(step=ex.step)
         logger.info(
             "applied update %d: %d samples here, %d in all, averaged over %d peer(s) in %.2f s (grad norm %.3f)",
@@ -222,45 +211,10 @@ class StepCoordinator:
         if self.after_update is not None:
             self.after_update(ex.step)
 
-    async def _read_accusations(self) -> None:
-        """Wait for the read of the accusations started after the previous update, at most
-        ACCUSATIONS_WAIT_S: a read that takes longer goes on and applies what it finds when it returns,
-        so a peer accused while the DHT is slow is left out from the next update instead of this one.
-        A peer with live mates whose last read began before the previous update (one was in flight
-        then) starts one now; a peer alone goes on with what it read last."""
-        if self._accusations_read is None or (self._accusations_started < self._updated_at and self.mates.live_mates()):
-            self._start_accusations_read()
-        try:
-            await asyncio.wait_for(asyncio.shield(self._accusations_read), ACCUSATIONS_WAIT_S)
-        except TimeoutError:
-            self.slow_accusation_reads += 1
-            logger.info(
-                "reading the accusations takes over %.1f s (a dead DHT node in the routes?): update %d goes on "
-                "with those read before", ACCUSATIONS_WAIT_S, self.executor.step,
-            )  # fmt: skip
-
-    def _prefetch_accusations(self) -> None:
-        """After an update: start reading the accusations for the next one now, while its samples come
-        in (the read, a DHT get of 50-100 ms, was on every update's critical path), unless the peer is
-        alone in its stage and a read began less than ACCUSATIONS_MIN_GAP_S ago. An accusation
-        published after the read counts from a later update."""
-        self._updated_at = now = time.monotonic()
-        if now - self._accusations_started < ACCUSATIONS_MIN_GAP_S and not self.mates.live_mates():
-            return
-        self._start_accusations_read()
-
-    def _start_accusations_read(self) -> None:
-        """Unless one is in flight."""
-        if self._accusations_read is not None and not self._accusations_read.done():
-            return
-        self._accusations_started = time.monotonic()
-        self._accusations_read = asyncio.ensure_future(self._read_accusations_now())
-
-    async def _read_accusations_now(self) -> None:
-        try:
-            await self.mates.refresh_accusations()
-        except Exception as e:  # noqa: BLE001 - the periodic refresh still reads them
-            logger.debug("reading accusations failed: %s", e)
+    def _unaccused_members(self) -> set[str]:
+        """The live members of the stage not known accused, this peer included."""
+        own = set() if self.mates.is_accused() else {self.peer_id}
+        return own | {m.peer_id for m in self.mates.live_mates()}
 
     async def _agree(self, frozen: Accumulated) -> Agreement | None:
         """The frozen lists of this peer and its live mates for the frozen update (waiting briefly

@@ -50,9 +50,9 @@ ASYNC_TOLERANCE = 0.1
 ACCUSATION_TTL_S = 600.0
 REPUBLISH_S = 60.0
 VERIFY_PERIOD_S = 0.25  # how often a trainer tries to verify the accusations it has not judged yet
-# how often a trainer reads the accusations (one DHT key): it stops sending a liar work once it reads
-# one, and the 2 s of the full DHT refresh let a fast stage's liar spoil 3.8% of validation loss
-ACCUSATIONS_PERIOD_S = 0.5
+# A trainer reads the accusations (one DHT key) when an Info answer names a peer accused that it does
+# not know (swarm.cluster.accusations), besides the view's 2 s refresh: it stops sending a liar work
+# once it reads one, and the 2 s refresh alone let a fast stage's liar spoil 3.8% of validation loss.
 SETTLE_S = 10.0  # how long a trainer that is done goes on judging the accusations it has read
 # a mismatch between answers computed at different steps is asked again, at once, up to this many
 # times this far apart: a peer catching up with its mates (a failed all-reduce, a download) takes ~1 s
@@ -268,6 +268,7 @@ class Honesty(AccusationVerifier):
         self.mine.append(accusation)
         await self.publish()
         self._published(liar.peer_id, stage)
+        await self.view.poll_info({stage})  # its polls name the accused: the stage reads of it now
 
     def _published(self, peer_id: str, stage: int) -> None:
         """When the accusation was out, and the stage's step then: every update the stage agrees on

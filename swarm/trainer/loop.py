@@ -34,7 +34,7 @@ from swarm.policy.ledger import contribution_id, samples_digest
 from swarm.policy.pacing import StepPacer
 from swarm.policy.wiring import Wiring
 from swarm.trainer.config import TrainerConfig
-from swarm.trainer.honesty import ACCUSATIONS_PERIOD_S, SETTLE_S, Honesty, default_tolerance
+from swarm.trainer.honesty import SETTLE_S, Honesty, default_tolerance
 from swarm.trainer.microbatch import MAX_REJECTIONS, Microbatch
 from swarm.trainer.replay import Replayer
 from swarm.trainer.report import Reporter, Stats
@@ -116,7 +116,7 @@ class Trainer:
         if cfg.sample_log:
             self._sample_log = open(cfg.sample_log.replace("{trainer}", str(cfg.trainer_index)), "a")  # noqa: SIM115
         self.view = SwarmView(self.dht, run.num_stages, self.clients)
-        self.view.start(accusations_period_s=ACCUSATIONS_PERIOD_S)
+        self.view.start(read_hinted_accusations=True)
         self.router = Router(cfg, self.view, self.clients, Wiring(self.rng), self.stats, run.num_stages)
         self.replayer = Replayer(self.view, self.router, self.clients, run.run_id, self.stats, self.progress)
         self._background.append(asyncio.create_task(self.replayer.run()))

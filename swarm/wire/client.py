@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 from google.protobuf.message import Message
@@ -88,9 +88,12 @@ class StageClient:
         )
         self._get_ledger = self.channel.unary_stream("/swarm.Stage/GetLedger", request_serializer=ser)
 
-    async def info(self, timeout: float, wait_for_step: int = 0, wait_s: float = 0.0) -> pb.InfoResponse:
-        """The peer's Info; with `wait_for_step`, once its step reaches that (or after `wait_s`)."""
-        request = pb.InfoRequest(wait_for_step=wait_for_step, wait_ms=round(1000 * wait_s))
+    async def info(
+        self, timeout: float, wait_for_step: int = 0, wait_s: float = 0.0, accused: Sequence[str] = ()
+    ) -> pb.InfoResponse:
+        """The peer's Info; with `wait_for_step`, once its step reaches that (or after `wait_s`);
+        `accused`: peers the caller knows accused of lying (the peer reads of them at once)."""
+        request = pb.InfoRequest(wait_for_step=wait_for_step, wait_ms=round(1000 * wait_s), accused=accused)
         return await self._info(request, timeout=timeout + wait_s)
 
     def set_lane(self, port: int) -> None:

@@ -10,8 +10,9 @@ One swarm: honest until update LIE_FROM, then lying. Stated bounds:
 - the first trainer to catch it has sent it at most CALLS_BOUND calls (at a check rate of 0.25 and a
   third of stage 0's calls going to it, missing it that long has odds below 1e-4);
 - every trainer bans it (the other one by verifying the accusation), and no honest peer;
-- every update of its stage agreed after the accusation was published leaves it out, and the ledger
-  shows every sample in every stage exactly once;
+- every update of its stage agreed after the accusation was published leaves it out (its mates read
+  the accusations when a trainer's Info poll names it), and the ledger shows every sample in every
+  stage exactly once;
 - the final validation loss is within 2% of honest training on the same samples (exact mode: an
   honest swarm equals single-process training, test_exact_mode.py; computed here in-process).
 """
@@ -93,6 +94,11 @@ def test_a_lying_peer_is_banned_by_every_trainer_and_left_out_of_updates(make_sw
     assert [e for e in entries if e.stage == 0 and liar in {p for p, _ in e.members}], "it was a member before"
     assert after, "the run went on after the ban"
     assert not [e.step for e in after if liar in {p for p, _ in e.members}]
+    # ... because its mates were told at once: the accusing trainer's Info polls named the accused, and
+    # each honest mate read the accusations then (they read none before updates: swarm.cluster.accusations)
+    swarm.stop()
+    mates = [p.counters for p in procs[:2]]
+    assert all(c is not None and c["accusation_reads"] >= 1 for c in mates), mates
 
     honest = single_process_val_loss(run, logged_batches(logs.replace("{trainer}", "*")), VAL_SAMPLES)
     lying = summaries[0]["val_loss"]

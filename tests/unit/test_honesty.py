@@ -273,10 +273,15 @@ def _checker(stage: _Stage, monkeypatch):
             return True
 
     class View:
-        accused: dict = {}
+        def __init__(self) -> None:
+            self.accused: dict = {}
+            self.polled: list = []  # the stages whose Info a ban polled at once
 
         def stage_step(self, stage: int) -> int:
             return 0
+
+        async def poll_info(self, stages=None, concurrency=None, due_only=False) -> None:
+            self.polled.append(stages)
 
         def stage_loads(self, stage: int):
             return stage_.stage_loads(stage)
@@ -339,6 +344,7 @@ def test_a_mismatch_at_one_step_is_judged_at_once(monkeypatch):
     assert check()[2].peer_id != "a"
     assert h.stats.banned["a"]["how"] == "caught"
     assert stage.calls[0] == "a" and sorted(stage.calls[1:]) == ["b", "c"]  # nobody asked again
+    assert h.view.polled == [{0}]  # published, then the stage told at once (its Info polls name "a")
 
 
 def test_the_checking_peer_is_any_mate_not_the_one_the_wiring_prefers(monkeypatch):

@@ -84,6 +84,9 @@ class _Mates:
     def is_accused(self) -> bool:
         return False
 
+    async def refresh_accusations(self) -> None:
+        return None
+
     def event(self, kind: str, **fields) -> None:
         self.events.append((kind, fields))
 
@@ -249,11 +252,7 @@ def test_a_directly_averaged_sum_stays_fetchable_until_it_is_applied(mates, monk
     monkeypatch.setattr(stepping, "average_direct", averaged)
     monkeypatch.setattr(a, "apply_mean_gradient", apply_and_look)
 
-    class TwoMates(_Mates):
-        async def refresh_accusations(self) -> None:
-            return None
-
-    coord = stepping.StepCoordinator(a, None, TwoMates("a"), None, "run", 4, direct_max=4)
+    coord = stepping.StepCoordinator(a, None, _Mates("a"), None, "run", 4, direct_max=4)
 
     async def agreed(frozen):
         own = a.contributions(0)
@@ -299,42 +298,3 @@ def test_a_round_short_of_the_batch_fails_at_once_instead_of_waiting_for_mates_t
     monkeypatch.setattr(coord, "_mates_lists", mate_holding({"t0/0/4": Held(4, 7)}))  # the batch is held
     agreement = asyncio.run(coord._agree(frozen))
     assert agreement.samples == 8 and agreement.not_frozen == ["m"] and len(calls) > 1  # waited for m
-
-
-def test_accusations_are_read_after_every_update_with_mates_and_at_most_once_per_gap_alone(monkeypatch):
-    """A DHT get per update (4-5 a second in a fast pipeline) loaded the DHT. With live mates (an
-    accused one must be left out of the very next update) every update still reads them; a peer alone
-    in its stage starts a read at most every ACCUSATIONS_MIN_GAP_S. An update waits for the read
-    started after the previous one, and starts one itself only when none did."""
-    import asyncio
-
-    import swarm.peer.stepping as stepping
-
-    class CountingReads(_Mates):
-        def __init__(self, peer_id: str, mates: list) -> None:
-            super().__init__(peer_id)
-            self.reads, self.mates = 0, mates
-
-        def live_mates(self):
-            return self.mates
-
-        async def refresh_accusations(self) -> None:
-            self.reads += 1
-            await asyncio.sleep(0.05)
-
-    async def updates(mates: list) -> int:
-        peer = CountingReads("a", mates)
-        coord = stepping.StepCoordinator(None, None, peer, None, "run", 4)
-        await coord._read_accusations()  # the first update: it reads, and waits for the read
-        assert peer.reads == 1 and coord._accusations_read.done()
-        for _ in range(3):
-            coord._prefetch_accusations()  # after an update
-            coord._prefetch_accusations()  # a read in flight (or, alone, within the gap): not another
-            await coord._read_accusations()  # the next update: waits for that read
-            assert coord._accusations_read.done()
-        return peer.reads
-
-    assert asyncio.run(updates(["a mate"])) == 4
-    assert asyncio.run(updates([])) == 1
-    monkeypatch.setattr(stepping, "ACCUSATIONS_MIN_GAP_S", 0.0)
-    assert asyncio.run(updates([])) == 4
