@@ -345,7 +345,11 @@ class StepCoordinator:
             logger.warning("%s; the stage tries again", e)
             self.mates.event("averaging_failed", step=frozen.step, members=len(members))
             if self.averager is not None and not self.averager.alive:  # its process died: a new one
-                self.averager = self.mates.start_averager()
+                try:
+                    self.averager = self.mates.start_averager()
+                except AveragingFailed as again:
+                    logger.warning("%s; the next round tries again", again)
+                    self.averager = None
             await self.mates.refresh_view()  # the members may have disagreed on who is in the stage
             return None
         self.executor.counters.averaging_rounds += 1

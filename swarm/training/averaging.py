@@ -25,8 +25,10 @@ moves to another stage, since the averaged tensors have that stage's shapes.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
+import multiprocessing
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator  # noqa: UP035 - hivemind detects streams by typing's generic name
@@ -37,15 +39,20 @@ from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.p2p import P2PContext, PeerID
+from hivemind.p2p.p2p_daemon_bindings.utils import raise_if_failed, read_pbmsg_safe, write_pbmsg
 from hivemind.proto import averaging_pb2
+from hivemind.proto import p2pd_pb2 as p2pd_pb
 from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import achain, as_aiter, azip, enter_asynchronously
+from hivemind.utils.multiaddr import Multiaddr
 
 from swarm.core.checks import all_finite
 from swarm.core.procs import die_with_parent
 from swarm.core.settings import setting
 
 logger = logging.getLogger(__name__)
+
+MAX_MADDR_BYTES = 512
 
 
 class AveragingFailed(RuntimeError):
@@ -63,6 +70,17 @@ class _StageAverager(DecentralizedAverager):
     """DecentralizedAverager that dies with its peer and runs all-reduce rounds in given groups."""
 
     group_wait_s: float = 3.0  # how long a member's request waits for us to open the same round
+
+    def __init__(self, *args, **kwargs) -> None:
+        # the unix socket address its p2p client listens at, written by its process: the p2p daemon
+        # keeps a stream handler under (protocol, that address) until it is removed by that address
+        self.client_maddr = multiprocessing.Array("c", MAX_MADDR_BYTES)
+        super().__init__(*args, **kwargs)
+
+    async def add_p2p_handlers(self, p2p, wrapper=None, *, namespace=None, balanced=False) -> None:
+        """In its process, before the handlers are registered: say under which client address."""
+        self.client_maddr.value = str(p2p._client_listen_maddr).encode()[: MAX_MADDR_BYTES - 1]
+        await super().add_p2p_handlers(p2p, wrapper, namespace=namespace, balanced=balanced)
 
     def run(self) -> None:
         die_with_parent()  # a SIGKILLed peer must not leave its averager serving
@@ -201,16 +219,19 @@ class StageAverager:
     def __init__(self, dht, run_id: str, stage: int, params: list[torch.Tensor], cfg: AveragingConfig) -> None:
         self.cfg = cfg
         self.prefix = f"{run_id}_stage{stage}_grads"
-        self.peer_id = str(dht.peer_id)
-        self.averager = _StageAverager(
-            [torch.zeros_like(p, device="cpu") for p in params],
-            dht,
-            prefix=self.prefix,
-            start=True,
-            allreduce_timeout=cfg.allreduce_timeout_s,
-            next_chunk_timeout=cfg.next_chunk_timeout_s,
-            allow_state_sharing=False,  # state travels over our gRPC GetState, not hivemind's RPC
-        )
+        self.peer_id, self.dht = str(dht.peer_id), dht
+        try:
+            self.averager = _StageAverager(
+                [torch.zeros_like(p, device="cpu") for p in params],
+                dht,
+                prefix=self.prefix,
+                start=True,
+                allreduce_timeout=cfg.allreduce_timeout_s,
+                next_chunk_timeout=cfg.next_chunk_timeout_s,
+                allow_state_sharing=False,  # state travels over our gRPC GetState, not hivemind's RPC
+            )
+        except Exception as e:  # noqa: BLE001 - hivemind raises several kinds; the stage tries again
+            raise AveragingFailed(f"could not start an averager process: {e!r}") from None
 
     @property
     def alive(self) -> bool:
@@ -247,10 +268,49 @@ class StageAverager:
         return AveragedGradient(mean, tuple(members), time.monotonic() - start)
 
     def shutdown(self) -> None:
+        """Stop the averager process. One that died (killed, or hung and timed out) left its RPC
+        handlers registered in the p2p daemon it shares with the DHT, and a replacement could not
+        register its own ("handler ... already set"): the peer never averaged again and its stage
+        stalled. They are removed here, from the DHT process."""
+        died = not self.averager.is_alive()
         try:
-            self.averager.shutdown()
+            if not died:
+                self.averager.shutdown()
         except Exception:  # noqa: BLE001
             logger.debug("averager shutdown raised", exc_info=True)
+        maddr = self.averager.client_maddr.value.decode()
+        if died and maddr:
+            try:
+                self.dht.run_coroutine(functools.partial(_remove_handlers, prefix=self.prefix, client_maddr=maddr))
+            except Exception as e:  # noqa: BLE001 - the replacement's start reports what is left
+                logger.warning("could not remove the dead averager's handlers: %s", e)
+
+
+async def _remove_handlers(_dht, node, prefix: str, client_maddr: str) -> None:
+    """In the DHT process: unregister the stream handlers of `prefix` that the averager process whose
+    p2p client listened at `client_maddr` left in the p2p daemon they share (hivemind's own removal
+    goes through that client, gone with its process)."""
+    _StageAverager._collect_rpc_handlers()
+    connector = node.p2p._client.control.daemon_connector
+    for handler in _StageAverager._rpc_handlers:
+        name = _StageAverager._get_handle_name(prefix, handler.method_name)
+        request = p2pd_pb.Request(
+            type=p2pd_pb.Request.REMOVE_STREAM_HANDLER,
+            removeStreamHandler=p2pd_pb.RemoveStreamHandlerRequest(
+                addr=Multiaddr(client_maddr).to_bytes(), proto=[name]
+            ),
+        )
+        try:
+            reader, writer = await connector.open_connection()
+            try:
+                await write_pbmsg(writer, request)
+                response = p2pd_pb.Response()
+                await read_pbmsg_safe(reader, response)
+                raise_if_failed(response)
+            finally:
+                writer.close()
+        except Exception as e:  # noqa: BLE001 - one not registered (a unary handler, or removed already)
+            logger.debug("removing handler %s: %r", name, e)
 
 
 def local_mean(grads_sum: list[torch.Tensor], samples: int) -> list[torch.Tensor]:
