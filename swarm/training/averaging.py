@@ -179,7 +179,7 @@ class AveragingConfig:
         flag="--averaging-chunk-timeout",
     )
     direct_max_members: int = setting(
-        4,
+        8,
         "a stage of at most this many peers averages by fetching each other's frozen sums over gRPC "
         "instead of hivemind's all-reduce (0: always the all-reduce)",
         flag="--averaging-direct-max",
