@@ -12,6 +12,7 @@ import queue
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,6 +21,7 @@ logger = logging.getLogger(__name__)
 READY_PREFIX = "SWARM_READY "
 PROGRESS_PREFIX = "SWARM_PROGRESS "
 SUMMARY_PREFIX = "SWARM_SUMMARY "
+WAIT_SLICE_S = 0.5  # ManagedProcess.wait checks for signals at least this often
 COUNTERS_PREFIX = "SWARM_COUNTERS "  # a peer's counters, printed once at shutdown
 PARSED_LINES = (
     (READY_PREFIX, "ready"),
@@ -174,7 +176,18 @@ class ManagedProcess:
             pass
 
     def wait(self, timeout: float | None = None) -> int:
-        return self.proc.wait(timeout=timeout)
+        """Its exit code. Waits in slices of WAIT_SLICE_S: a main thread blocked in one long waitpid
+        runs no Python signal handler until it returns, so `swarm local` waiting for a trainer that
+        trains for ever did not stop on Ctrl-C when the signal landed on another of its threads
+        (test_dashboard_live saw it: 45 s after SIGINT, still in this wait)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = WAIT_SLICE_S if deadline is None else min(WAIT_SLICE_S, max(0.0, deadline - time.monotonic()))
+            try:
+                return self.proc.wait(timeout=left)
+            except subprocess.TimeoutExpired:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
 
     def stop(self, timeout: float = 15.0) -> int | None:
         """SIGTERM (graceful), then SIGKILL of the whole group; always reaps."""
