@@ -177,9 +177,9 @@ class ManagedProcess:
 
     def wait(self, timeout: float | None = None) -> int:
         """Its exit code. Waits in slices of WAIT_SLICE_S: a main thread blocked in one long waitpid
-        runs no Python signal handler until it returns, so `swarm local` waiting for a trainer that
-        trains for ever did not stop on Ctrl-C when the signal landed on another of its threads
-        (test_dashboard_live saw it: 45 s after SIGINT, still in this wait)."""
+        runs no Python signal handler until it returns, so a Ctrl-C that landed on another thread of
+        `swarm local` went unheard while it waited for a trainer that trains for ever
+        (tests/unit/test_procs_wait.py)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             left = WAIT_SLICE_S if deadline is None else min(WAIT_SLICE_S, max(0.0, deadline - time.monotonic()))

@@ -29,6 +29,8 @@ import functools
 import hashlib
 import logging
 import multiprocessing
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator  # noqa: UP035 - hivemind detects streams by typing's generic name
@@ -220,6 +222,9 @@ class StageAverager:
         self.cfg = cfg
         self.prefix = f"{run_id}_stage{stage}_grads"
         self.peer_id, self.dht = str(dht.peer_id), dht
+        # hivemind's run_in_background sets SIGINT to SIG_IGN in the calling process: a peer with an
+        # averager ignored Ctrl-C, and so did every process it started later (a test worker's too)
+        sigint = signal.getsignal(signal.SIGINT)
         try:
             self.averager = _StageAverager(
                 [torch.zeros_like(p, device="cpu") for p in params],
@@ -232,6 +237,9 @@ class StageAverager:
             )
         except Exception as e:  # noqa: BLE001 - hivemind raises several kinds; the stage tries again
             raise AveragingFailed(f"could not start an averager process: {e!r}") from None
+        finally:
+            if sigint is not None and threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGINT, sigint)
 
     @property
     def alive(self) -> bool:

@@ -45,7 +45,10 @@ def test_a_killed_averager_is_replaced_and_the_replacement_averages():
     averagers = []
     try:
         params = [torch.zeros(64)]
+        sigint = signal.getsignal(signal.SIGINT)
         averagers = [StageAverager(d.dht, "restart", 0, params, cfg) for d in (first, second)]
+        # hivemind set SIGINT to SIG_IGN in this process; a peer (and everything started after) ignored Ctrl-C
+        assert signal.getsignal(signal.SIGINT) is sigint
         grads = [torch.full((64,), 1.0), torch.full((64,), 3.0)]
         before = average_together(averagers, grads, step=1)
         assert all(not isinstance(r, Exception) for r in before), before

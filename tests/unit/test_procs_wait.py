@@ -1,9 +1,10 @@
 """Ctrl-C stops a process waiting for a child, whichever of its threads the signal lands on.
 
 A main thread blocked in one long waitpid runs no Python signal handler until the wait returns: a
-SIGINT handled by another thread (Linux may deliver a process's signal to any of its threads) left
-`swarm local` waiting for a trainer that trains for ever (test_dashboard_live.py, 45 s after SIGINT).
-ManagedProcess.wait waits in slices, so the handler runs within one."""
+SIGINT handled by another thread (Linux may deliver a process's signal to any of its threads) would
+leave `swarm local` waiting for a trainer that trains for ever. ManagedProcess.wait waits in slices,
+so the handler runs within one. (Found while chasing test_dashboard_live's hang, whose cause was
+another: an inherited SIG_IGN, see tests/integration/test_averager_restart.py.)"""
 
 import os
 import signal
