@@ -280,14 +280,14 @@ class StageAverager:
         handlers registered in the p2p daemon it shares with the DHT, and a replacement could not
         register its own ("handler ... already set"): the peer never averaged again and its stage
         stalled. They are removed here, from the DHT process."""
-        died = not self.averager.is_alive()
-        try:
-            if not died:
+        if self.averager.is_alive():
+            try:
                 self.averager.shutdown()
-        except Exception:  # noqa: BLE001
-            logger.debug("averager shutdown raised", exc_info=True)
+            except Exception:  # noqa: BLE001
+                logger.debug("averager shutdown raised", exc_info=True)
+            return
         maddr = self.averager.client_maddr.value.decode()
-        if died and maddr:
+        if maddr:
             try:
                 self.dht.run_coroutine(functools.partial(_remove_handlers, prefix=self.prefix, client_maddr=maddr))
             except Exception as e:  # noqa: BLE001 - the replacement's start reports what is left

@@ -23,7 +23,7 @@ SCRIPT = textwrap.dedent(
     child = ManagedProcess("sleeper", [sys.executable, "-c", "import time; time.sleep(60)"], sys.argv[1])
 
     def interrupt_from_this_thread():
-        time.sleep(0.5)
+        time.sleep(0.5)  # the main thread is in child.wait() by then (earlier, the test could not fail)
         signal.pthread_kill(threading.get_ident(), signal.SIGINT)  # the C handler runs on this thread
 
     threading.Thread(target=interrupt_from_this_thread, daemon=True).start()
