@@ -11,7 +11,8 @@ other's accumulators").
 
 Cost: one answer per change of a mate's (step, samples accumulated), at most one per WATCH_GAP_S,
 and one per WATCH_WAIT_S without a change (which keeps the mate live in the view: is_live), instead
-of one per Info period.
+of one per Info period. That is not stretched by the answer budget (swarm.policy.polling), so only a
+peer with at most WATCH_MAX_MATES mates watches them; in a larger stage it polls them as before.
 """
 
 from __future__ import annotations
@@ -22,11 +23,9 @@ from collections.abc import Callable
 from typing import Protocol
 
 from swarm.core.states import PeerState
+from swarm.policy.polling import WATCH_GAP_S, WATCH_WAIT_S, watches_mates
 
 logger = logging.getLogger(__name__)
-
-WATCH_WAIT_S = 1.0  # a mate answers at the latest after this long, changed or not
-WATCH_GAP_S = 0.01  # least time between two polls of one mate, whatever it answers
 
 
 class WatchedView(Protocol):
@@ -68,6 +67,8 @@ class MateWatch:
             for pid, s in self.view.peers.items()
             if stages is not None and s.stage in stages and s.record_state != PeerState.OFFLINE
         }
+        if not watches_mates(len(wanted)):
+            wanted = set()  # a large stage: its mates are polled at the budgeted period
         for pid, task in list(self._watches.items()):
             if pid not in wanted or task.done():
                 task.cancel()
@@ -90,4 +91,4 @@ class MateWatch:
             await asyncio.sleep(WATCH_GAP_S if answered else self.view.info_period_s)
 
 
-__all__ = ["WATCH_GAP_S", "WATCH_WAIT_S", "MateWatch"]
+__all__ = ["MateWatch"]

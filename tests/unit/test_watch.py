@@ -12,6 +12,7 @@ from swarm.core.states import PeerState
 from swarm.peer.executor import StageExecutor
 from swarm.peer.server import StageService
 from swarm.peer.serving import Limits, ServingState
+from swarm.policy.polling import WATCH_MAX_MATES
 from swarm.policy.wiring import PeerLoad
 from swarm.training.config import OptimConfig
 from swarm.training.models import build_stage
@@ -142,5 +143,28 @@ def test_mate_watch_passes_on_each_change_and_replaces_the_periodic_polls():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
         assert view.watched == set()
+
+    asyncio.run(go())
+
+
+def test_a_large_stage_is_polled_not_watched():
+    """Watches are not stretched by the answer budget: a peer with more than WATCH_MAX_MATES mates
+    polls them at the budgeted period instead."""
+
+    async def go():
+        view = SwarmView(dht=None, num_stages=1, clients=_Clients(_ScriptedClient([])))
+        view.poll_stages = {0}
+        for i in range(WATCH_MAX_MATES + 1):
+            view.peers[f"m{i}"] = PeerStatus(PeerLoad(f"m{i}", 0, "addr"), record_state=PeerState.ONLINE)
+        watch = MateWatch(view, view.notify_answers)
+        watch._sync()
+        assert view.watched == set()
+        del view.peers["m0"]
+        watch._sync()
+        assert len(view.watched) == WATCH_MAX_MATES
+        watch._sync()  # nothing changed: the same watches
+        for task in watch._watches.values():
+            task.cancel()
+        await asyncio.gather(*watch._watches.values(), return_exceptions=True)
 
     asyncio.run(go())
