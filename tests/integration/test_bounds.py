@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from swarm.local import LocalOptions, LocalSwarm
+from swarm.peer.serving import Limits
 from swarm.wire import codec
 from swarm.wire.options import channel_options
 from swarm.wire.protocol import pb
@@ -149,7 +150,13 @@ def test_two_thousand_idle_streams_leave_info_answering_and_are_cut(swarm):
                 return e.code()
 
         waiting = [asyncio.ensure_future(outcome(c)) for c in calls]
-        await asyncio.sleep(1.0)  # the streams are open (or refused)
+        # the flood is in: every stream refused, or open (at most the bound, 256, still pending). Was a
+        # 1 s sleep: in a full suite on 2 cores the flood outlasted it, and the Info probe below, sent
+        # into the middle of 2000 stream openings, waited over 2 s behind them in the peer's event loop
+        # (and this test's) once (CANCELLED at the 2 s deadline, 2026-12-07); alone it takes 5 ms
+        async with asyncio.timeout(30):
+            while sum(not w.done() for w in waiting) > Limits().max_streams:
+                await asyncio.sleep(0.05)
         started = time.monotonic()
         async with await _channel(peer.ready["address"]) as fresh:  # a trainer's or a dashboard's channel
             info_call = fresh.unary_unary("/swarm.Stage/Info", response_deserializer=pb.InfoResponse.FromString)
