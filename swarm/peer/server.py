@@ -141,10 +141,8 @@ class StageService:
                     forward_key=fkey, reference=msg.reference,
                 )  # fmt: skip
                 result = await asyncio.wrap_future(future)
-                if not result.duplicate:
-                    self.serving.notify_accumulated()
-                    if self.serving.on_accumulated is not None:
-                        self.serving.on_accumulated()
+                if self.serving.on_accumulated is not None and not result.duplicate:
+                    self.serving.on_accumulated()
                 out = result.grad_input
                 acc["accumulated_step"] = max(acc.get("accumulated_step", 0), result.accumulated_step)
                 acc["duplicate"] = acc.get("duplicate", True) and result.duplicate
@@ -285,10 +283,7 @@ class StageService:
             await abort(context, e)
         if request.accused and self.serving.on_accused is not None:
             self.serving.on_accused(list(request.accused))
-        if request.watch and request.wait_ms > 0:
-            seen = (int(request.seen_step), int(request.seen_samples))
-            await self.serving.wait_for_change(seen, request.wait_ms / 1000)
-        elif request.wait_for_step > 0 and request.wait_ms > 0:
+        if request.wait_for_step > 0 and request.wait_ms > 0:
             await self.serving.wait_for_step(int(request.wait_for_step), request.wait_ms / 1000)
         answer = self.serving.info()
         answer.streams_peak = self.admission.streams_peak

@@ -71,44 +71,23 @@ class ServingState:
         # debug only (swarm.core.debug.FaultPlan.in_request): awaited with the executor's step before a
         # training request is computed
         self.before_compute: Callable[[int], Awaitable[None]] | None = None
-        # set (and replaced) whenever the step or the samples accumulated for it change
-        self._changed: asyncio.Event | None = None
+        self._stepped: asyncio.Event | None = None  # set (and replaced) whenever the step changes
 
     def notify_step(self) -> None:
         """The executor's step changed (an update applied, a state loaded): answer the long polls."""
-        self._notify()
-
-    def notify_accumulated(self) -> None:
-        """A backward was accumulated here: answer the mates' watches (swarm.cluster.watch)."""
-        self._notify()
-
-    def _notify(self) -> None:
-        if self._changed is not None:
-            self._changed.set()
-            self._changed = None
-
-    def accumulator_state(self) -> tuple[int, int]:
-        """(step, samples accumulated for it), as Info reports them: what a mate's watch compares."""
-        ex = self.executor
-        return (0, 0) if ex is None else (ex.fingerprint[0], ex.samples_accumulated)
+        if self._stepped is not None:
+            self._stepped.set()
+            self._stepped = None
 
     async def wait_for_step(self, step: int, wait_s: float) -> None:
         """Until the executor's step reaches `step`, at most `wait_s` (an Info long poll)."""
-        await self._wait_while(lambda: self.executor is None or self.executor.step < step, wait_s)
-
-    async def wait_for_change(self, seen: tuple[int, int], wait_s: float) -> None:
-        """Until this peer's (step, samples accumulated) differ from `seen`, at most `wait_s` (a mate's
-        watch: it learns of each accumulated backward at once, not at its next poll)."""
-        await self._wait_while(lambda: self.accumulator_state() == seen, wait_s)
-
-    async def _wait_while(self, unchanged: Callable[[], bool], wait_s: float) -> None:
         deadline = time.monotonic() + min(wait_s, MAX_INFO_WAIT_S)
-        while unchanged() and time.monotonic() < deadline:
-            if self._changed is None:
-                self._changed = asyncio.Event()
+        while (self.executor is None or self.executor.step < step) and time.monotonic() < deadline:
+            if self._stepped is None:
+                self._stepped = asyncio.Event()
             try:
                 async with asyncio.timeout(deadline - time.monotonic()):
-                    await self._changed.wait()
+                    await self._stepped.wait()
             except TimeoutError:
                 return
 
