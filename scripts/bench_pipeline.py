@@ -489,6 +489,9 @@ def run_swarm(
                         ),
                         "cpu_s_per_step": cpu_per_step,
                         "processes": processes,
+                        # per kind and stage, the trainer's mean send-to-answer time and the peers'
+                        # compute time (the rest: queueing behind the step's other microbatches, transfers)
+                        "call_ms": summary.get("call_ms", {}),
                     },
                 )
             )

@@ -39,6 +39,23 @@ class Stats:
     calls_by_peer: collections.Counter[str] = field(default_factory=collections.Counter)  # answered calls
     losses_by_step: dict[int, list[tuple[float, int]]] = field(default_factory=lambda: collections.defaultdict(list))
     val_losses: list[tuple[int, float]] = field(default_factory=list)
+    # "forward 0", "backward 2"...: [answered calls, seconds from send to answer, the peers' compute
+    # seconds they reported]: the difference is queueing at the peer, transfers and scheduling
+    call_times: dict[str, list[float]] = field(default_factory=dict)
+
+    def count_call(self, kind: str, stage: int, elapsed_s: float, compute_s: float) -> None:
+        times = self.call_times.setdefault(f"{kind} {stage}", [0, 0.0, 0.0])
+        times[0] += 1
+        times[1] += elapsed_s
+        times[2] += compute_s
+
+    def call_ms(self) -> dict[str, dict[str, float]]:
+        """Per kind and stage: calls, and the mean milliseconds from send to answer and of compute."""
+        return {
+            key: {"calls": int(n), "elapsed_ms": round(1000 * t / n, 2), "compute_ms": round(1000 * c / n, 2)}
+            for key, (n, t, c) in sorted(self.call_times.items())
+            if n
+        }
 
     def mean_loss(self, step: int | None) -> float | None:
         """The sample-weighted mean training loss of the microbatches of `step`."""
@@ -134,6 +151,7 @@ class Reporter:
             "failed_calls": s.failed_calls,
             "replays": s.replays,
             "idle_s": round(s.idle_s, 3),
+            "call_ms": s.call_ms(),
             "microbatches_started": s.microbatches_started,
             "microbatches_completed": s.microbatches_completed,
             "microbatches_requeued": s.microbatches_requeued,
