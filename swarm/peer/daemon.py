@@ -141,6 +141,7 @@ class Peer:
         if run.sync == SyncMode.ASYNC and run.predict_params:
             self.partials = MatePartials(m, self.clients, run.run_id, max_bytes=cfg.max_state_bytes)
             self.view.info_listeners.append(self.partials.poll)  # fetch as soon as a mate's count grows
+            self.serving.on_run_ahead = self._mates_for_prediction
             self._tasks.append(asyncio.create_task(self.partials.run()))
         if cfg.rebalance:
             costs = stage_costs(run.model, run.num_stages)
@@ -209,13 +210,17 @@ class Peer:
         self._mates_poll: asyncio.Task | None = None
         self._mates_poll_at = 0.0
 
-        def mate_froze() -> None:  # at most one such round in flight, and one per MATES_REPOLL_S
+        def repoll_mates() -> bool:  # at most one such round in flight, and one per MATES_REPOLL_S
             now = time.monotonic()
             if (self._mates_poll is None or self._mates_poll.done()) and now - self._mates_poll_at > MATES_REPOLL_S:
                 self._mates_poll_at = now
                 self._mates_poll = asyncio.create_task(self.view.poll_info({self.membership.stage}))
+                return True
+            return False
 
-        self.serving.on_mate_froze = mate_froze
+        self.serving.on_mate_froze = repoll_mates  # the stage may hold its batch now
+        self._repoll_mates = repoll_mates
+        self._run_ahead_step = -1
 
         def accused(peer_ids: list[str]) -> None:  # an Info poller names accused peers
             stepper = None if self.membership.runtime is None else self.membership.runtime.stepper
@@ -224,6 +229,15 @@ class Peer:
 
         self.serving.on_accused = accused
         self.serving.accused_hint = self.view.accused_hint
+
+    def _mates_for_prediction(self) -> None:
+        """A request for a step past this peer's came in: it is computed at the parameters the pending
+        update is expected to give, from the gradients the stage holds for it. Re-read the mates' counts
+        now (once per pending update), so that their partial sums are fetched for the run-ahead
+        microbatches that follow, not a poll period later (swarm.peer.partials)."""
+        ex = self.serving.executor
+        if ex is not None and ex.step != self._run_ahead_step and self._repoll_mates():
+            self._run_ahead_step = ex.step
 
     async def _step_loop(self) -> None:
         """Apply the stage's pending update when it is due (swarm.peer.stepping decides)."""

@@ -115,6 +115,8 @@ class StageService:
         training = not getattr(msg, "validation", False)
         if training:
             self._check_step(int(msg.step), executor.step)
+            if msg.step > executor.step and self.serving.on_run_ahead is not None:
+                self.serving.on_run_ahead()
         if self.serving.exact and training and msg.step > executor.step:
             with self.admission.wait_for_step():
                 await self._wait_for_step(executor, int(msg.step))

@@ -65,6 +65,9 @@ class ServingState:
         # a mate asked what this peer holds for an update it has not frozen: it froze it, so the stage
         # may hold its batch; re-read the mates' counts now rather than at the next Info round
         self.on_mate_froze: Callable[[], None] | None = None
+        # a training request for a step past this peer's came in (async: computed at predicted
+        # parameters): the peer re-reads its mates' counts to fetch their partial sums now
+        self.on_run_ahead: Callable[[], None] | None = None
         # an Info poller names peers accused of lying (InfoRequest.accused): swarm.cluster.accusations
         self.on_accused: Callable[[list[str]], object] | None = None
         self.accused_hint: Callable[[], list[str]] = list  # ... and those this peer knows, for its answers
