@@ -209,18 +209,8 @@ class Peer:
         self.view.info_listeners.append(self.step_wake.set)  # a round of Info polls sets it
         self._mates_poll: asyncio.Task | None = None
         self._mates_poll_at = 0.0
-
-        def repoll_mates() -> bool:  # at most one such round in flight, and one per MATES_REPOLL_S
-            now = time.monotonic()
-            if (self._mates_poll is None or self._mates_poll.done()) and now - self._mates_poll_at > MATES_REPOLL_S:
-                self._mates_poll_at = now
-                self._mates_poll = asyncio.create_task(self.view.poll_info({self.membership.stage}))
-                return True
-            return False
-
-        self.serving.on_mate_froze = repoll_mates  # the stage may hold its batch now
-        self._repoll_mates = repoll_mates
         self._run_ahead_step = -1
+        self.serving.on_mate_froze = self._repoll_mates  # the stage may hold its batch now
 
         def accused(peer_ids: list[str]) -> None:  # an Info poller names accused peers
             stepper = None if self.membership.runtime is None else self.membership.runtime.stepper
@@ -229,6 +219,16 @@ class Peer:
 
         self.serving.on_accused = accused
         self.serving.accused_hint = self.view.accused_hint
+
+    def _repoll_mates(self) -> bool:
+        """Re-read the mates' Info now: at most one such round in flight, and one per MATES_REPOLL_S;
+        True if one started."""
+        now = time.monotonic()
+        if (self._mates_poll is None or self._mates_poll.done()) and now - self._mates_poll_at > MATES_REPOLL_S:
+            self._mates_poll_at = now
+            self._mates_poll = asyncio.create_task(self.view.poll_info({self.membership.stage}))
+            return True
+        return False
 
     def _mates_for_prediction(self) -> None:
         """A request for a step past this peer's came in: it is computed at the parameters the pending

@@ -113,11 +113,12 @@ class StageService:
         if msg.reply_codec not in codec.CODEC_LABELS:
             raise WireError(f"unknown reply codec {msg.reply_codec}")
         training = not getattr(msg, "validation", False)
+        ahead = training and msg.step > executor.step  # for a step this peer has not reached yet
         if training:
             self._check_step(int(msg.step), executor.step)
-            if msg.step > executor.step and self.serving.on_run_ahead is not None:
-                self.serving.on_run_ahead()
-        if self.serving.exact and training and msg.step > executor.step:
+        if ahead and self.serving.on_run_ahead is not None:
+            self.serving.on_run_ahead()
+        if self.serving.exact and ahead:
             with self.admission.wait_for_step():
                 await self._wait_for_step(executor, int(msg.step))
         if training and self.serving.before_compute is not None:
