@@ -3,7 +3,9 @@
 - `FaultPlan`: torchft-style deterministic fault injection, "fail at this step in this way" (tests
   use it through `swarm peer --debug-fail-at-step N --debug-fail-mode kill|stop|exit|leave`; with
   `--debug-fail-in-request` the fault fires inside the first training request served at that step
-  or later, so that a request is in flight when it strikes).
+  or later, so that a request is in flight when it strikes; with `--debug-fail-in-mate-fetch` it fires
+  when a stage-mate fetches this peer's sum of update N-1 or later for averaging, held until this peer
+  has applied that update: it dies having applied an update its mate never got its sum for).
 - `LiePlan`: a dishonest peer, for the tests of lying-peer detection (`swarm peer --debug-lie outputs`
   perturbs its forward outputs and input gradients; `--debug-lie gradients` scales its contribution to
   the stage's averaging).
@@ -44,6 +46,12 @@ class FaultPlan:
     fail_at_step: int | None = None
     fail_mode: str = "kill"
     in_request: bool = False
+    in_mate_fetch: bool = False  # see the module's docstring
+
+    @property
+    def at_step_loop(self) -> bool:
+        """Whether the step loop fires it (else a request does)."""
+        return not (self.in_request or self.in_mate_fetch)
 
     def __post_init__(self) -> None:
         if self.fail_mode not in FAIL_MODES:
@@ -102,6 +110,11 @@ def add_debug_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="fail inside the first training request served at that step or later (a call is in flight)",
     )
+    g.add_argument(
+        "--debug-fail-in-mate-fetch",
+        action="store_true",
+        help="fail once this peer has applied an update (step - 1 or later) that a stage-mate is fetching its sum for",
+    )
     g.add_argument("--profile-dir", metavar="DIR", help="write a cProfile of the event loop's CPU time here on exit")
     g.add_argument("--debug-lie", choices=LIE_MODES, help="be a dishonest peer (tests of lying-peer detection)")
     g.add_argument("--debug-lie-scale", type=float, default=0.5, help="how much to lie (default 0.5)")
@@ -111,7 +124,12 @@ def add_debug_args(parser: argparse.ArgumentParser) -> None:
 def fault_plan_from_args(args: argparse.Namespace) -> FaultPlan | None:
     if getattr(args, "debug_fail_at_step", None) is None:
         return None
-    return FaultPlan(args.debug_fail_at_step, args.debug_fail_mode, bool(getattr(args, "debug_fail_in_request", False)))
+    return FaultPlan(
+        args.debug_fail_at_step,
+        args.debug_fail_mode,
+        in_request=bool(getattr(args, "debug_fail_in_request", False)),
+        in_mate_fetch=bool(getattr(args, "debug_fail_in_mate_fetch", False)),
+    )
 
 
 def lie_plan_from_args(args: argparse.Namespace) -> LiePlan | None:

@@ -23,7 +23,7 @@ from swarm.cluster.authority import secure
 from swarm.cluster.runconfig import SignedConfig, fetch_signed_config
 from swarm.cluster.view import SwarmView
 from swarm.core.auth import Verifier
-from swarm.core.debug import LEAVE, FaultPlan, LiePlan, cpu_profile
+from swarm.core.debug import FaultPlan, LiePlan, cpu_profile
 from swarm.core.errors import ConfigError
 from swarm.core.log import set_context
 from swarm.core.procs import COUNTERS_PREFIX, READY_PREFIX
@@ -31,6 +31,7 @@ from swarm.core.states import PeerState, SyncMode
 from swarm.core.version import __version__
 from swarm.dht.node import SwarmDHT
 from swarm.peer.config import PeerConfig
+from swarm.peer.faults import PeerFaults
 from swarm.peer.lane import LaneService
 from swarm.peer.membership import Membership
 from swarm.peer.partials import MatePartials
@@ -48,14 +49,14 @@ logger = logging.getLogger(__name__)
 CONFIG_CHECK_S = 30.0  # how often a peer checks that the run config record is still there
 CONFIG_TTL_S = 120.0
 SERVER_GRACE_S = 1.0
-FAULT_LEAVE_HOLD_S = 2.0  # the leave fault: how long the peer looks online with its compute stopped
 MATES_REPOLL_S = 0.05  # a mate's freeze makes this peer re-read its mates at most this often
 
 
 class Peer:
     def __init__(self, cfg: PeerConfig, faults: FaultPlan | None = None, lie: LiePlan | None = None) -> None:
         self.cfg = cfg
-        self.faults = faults
+        keep = lambda task: self._tasks.append(task)  # noqa: E731 - _tasks is replaced at start
+        self.faults = None if faults is None else PeerFaults(faults, lambda: self.membership, keep)
         self.lie = lie  # debug: a dishonest peer (tests of lying-peer detection)
         self.device = resolve_device(cfg.device)
         self.clients = ClientPool(cfg.max_message_bytes)
@@ -71,7 +72,6 @@ class Peer:
         self.partials: MatePartials | None = None
         self._tasks: list[asyncio.Task] = []
         self.keeper = None  # a private swarm's certificate keeper
-        self._fault_leave: asyncio.Task | None = None  # the leave fault, fired in a request (debug)
 
     async def _join_run(self) -> tuple[SignedConfig, Verifier | None]:
         """The run's signed config; in a private swarm, admission (a certificate every call carries) and the
@@ -107,7 +107,9 @@ class Peer:
         run = signed.run
         self.serving = ServingState(run.run_id, self.dht.peer_id, __version__)
         self.serving.lie = self.lie
-        self.serving.before_compute = self._fault_in_request if self.faults and self.faults.in_request else None
+        if self.faults is not None:  # debug: injected faults (swarm.peer.faults)
+            self.serving.before_compute = self.faults.before_compute if self.faults.plan.in_request else None
+            self.serving.before_mate_fetch = self.faults.before_mate_fetch if self.faults.plan.in_mate_fetch else None
         self.serving.codec = codec_from_name(run.codec)
         self.serving.exact = run.exact
         limits = self._limits(run)
@@ -249,10 +251,10 @@ class Peer:
             except TimeoutError:
                 pass
             self.step_wake.clear()
-            if self.faults is not None and not self.faults.in_request and self.faults.due(m.step):
-                await self._inject_fault()
-            if self._fault_leave is not None and not self._fault_leave.done():
-                continue  # the leave fault stopped the compute: no update until it has moved
+            if self.faults is not None:
+                await self.faults.at_step_loop(m.step)
+                if self.faults.compute_stopped:
+                    continue  # the leave fault stopped the compute: no update until it has moved
             executor = m.executor
             if executor is not None and executor.throughput_ema:
                 self.serving.throughput = 0.8 * self.serving.throughput + 0.2 * executor.throughput_ema
@@ -264,33 +266,6 @@ class Peer:
                         await stepper.run_update(reason)
             except Exception:  # noqa: BLE001 - a failed update must not kill the peer
                 logger.exception("update failed")
-
-    async def _fault_in_request(self, step: int) -> None:
-        """FaultPlan.in_request: called before a training request is computed."""
-        if self.faults.due(step):
-            await self._inject_fault(in_request=True)
-
-    async def _inject_fault(self, in_request: bool = False) -> None:
-        m, faults = self.membership, self.faults
-        if faults.fail_mode != LEAVE:
-            faults.inject(m.step)
-            return
-        faults.fail_at_step = None  # once
-        logger.warning("fault injection: the compute stops at step %d while this peer still looks online", m.step)
-        # requests now fail with ExecutorStopped: UNAVAILABLE, and the trainers retry elsewhere
-        await asyncio.get_running_loop().run_in_executor(None, m.executor.stop)
-        leave = self._leave_after_hold()
-        if in_request:  # the request goes on (and fails UNAVAILABLE); the move follows in the background
-            self._fault_leave = asyncio.create_task(leave)
-            self._tasks.append(self._fault_leave)
-        else:
-            await leave
-
-    async def _leave_after_hold(self) -> None:
-        m = self.membership
-        await asyncio.sleep(FAULT_LEAVE_HOLD_S)
-        dst = (m.stage + 1) % m.run.num_stages
-        await m.move_to(dst, "fault injection: leave", 0.0, 0.0)
 
     async def _config_keeper(self, text: str) -> None:
         """Re-publish the run config if its record disappears (the coordinator died): new peers can

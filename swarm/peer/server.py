@@ -333,7 +333,13 @@ class StageService:
             await abort(context, e)
 
     async def get_partial_gradient(self, raw: bytes, context) -> AsyncIterator[bytes]:
-        async for chunk in self._blob(pb.PartialRequest, raw, context, partial_chunks):
+        async for chunk in self._blob(pb.PartialRequest, raw, context, self._partial_chunks):
+            yield chunk
+
+    async def _partial_chunks(self, executor: StageExecutor, request: pb.PartialRequest) -> AsyncIterator[bytes]:
+        if request.frozen and self.serving.before_mate_fetch is not None:  # debug: a fault injected here
+            await self.serving.before_mate_fetch(executor, int(request.step))
+        async for chunk in partial_chunks(executor, request):
             yield chunk
 
     async def get_contributions(self, raw: bytes, context) -> bytes:

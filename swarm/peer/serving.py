@@ -74,6 +74,8 @@ class ServingState:
         # debug only (swarm.core.debug.FaultPlan.in_request): awaited with the executor's step before a
         # training request is computed
         self.before_compute: Callable[[int], Awaitable[None]] | None = None
+        # debug only (FaultPlan.in_mate_fetch): awaited with (executor, update) before a mate's fetch of a frozen sum
+        self.before_mate_fetch: Callable[[StageExecutor, int], Awaitable[None]] | None = None
         self._stepped: asyncio.Event | None = None  # set (and replaced) whenever the step changes
 
     def notify_step(self) -> None:

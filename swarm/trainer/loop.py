@@ -10,7 +10,6 @@ through the router (swarm.trainer.router), Backward records are held until appli
 from __future__ import annotations
 
 import asyncio
-import collections
 import itertools
 import json
 import logging
@@ -30,12 +29,13 @@ from swarm.core.log import set_context
 from swarm.core.procs import SUMMARY_PREFIX
 from swarm.dht.announcer import Announcer
 from swarm.dht.node import SwarmDHT
-from swarm.policy.ledger import contribution_id, samples_digest
 from swarm.policy.pacing import StepPacer
 from swarm.policy.wiring import Wiring
 from swarm.trainer.config import TrainerConfig
+from swarm.trainer.feed import MicrobatchFeed
 from swarm.trainer.honesty import SETTLE_S, Honesty, default_tolerance
 from swarm.trainer.microbatch import MAX_REJECTIONS, Microbatch
+from swarm.trainer.replay import SETTLE_S as HELD_SETTLE_S
 from swarm.trainer.replay import Replayer
 from swarm.trainer.report import Reporter, Stats
 from swarm.trainer.router import NO_RETRY_CAP, MicrobatchFailed, MicrobatchRejected, Router, StageUnavailable
@@ -71,7 +71,6 @@ class Trainer:
         self.progress = asyncio.Event()
         self.stop_requested = asyncio.Event()  # SIGTERM/SIGINT: stop training, report, exit
         self._calls = itertools.count()  # forward request ids
-        self._retry: collections.deque[Microbatch] = collections.deque()
         self._sample_log = None
         self._background: list[asyncio.Task] = []
         self.dht: SwarmDHT | None = None
@@ -106,15 +105,17 @@ class Trainer:
             raise ConfigError(f"global batch {run.global_batch} is smaller than the number of trainers {num_trainers}")
         staleness, ahead_after = (0.0, 0.0) if run.exact else (float(run.max_staleness), float(run.ahead_after))
         self.pacer = StepPacer(share, staleness, ahead_after)
-        self.share = share
         self.codec = codec_from_name(run.codec)
         data_cfg = run.data if isinstance(run.data, DataConfig) else DataConfig(**run.data)
         t_config = time.monotonic()
         self.dataset = await loop.run_in_executor(None, load_dataset, data_cfg, run.model)
         t_data = time.monotonic()
-        self.sampler = ShardSampler(self.dataset.num_train, cfg.trainer_index, num_trainers, data_cfg.seed)
+        sampler = ShardSampler(self.dataset.num_train, cfg.trainer_index, num_trainers, data_cfg.seed)
         if cfg.sample_log:
             self._sample_log = open(cfg.sample_log.replace("{trainer}", str(cfg.trainer_index)), "a")  # noqa: SIM115
+        self.feed = MicrobatchFeed(
+            self.trainer_id, self.pacer, sampler, self.dataset, run.microbatch, cfg.steps, self._sample_log
+        )
         self.view = SwarmView(self.dht, run.num_stages, self.clients)
         self.view.start(read_hinted_accusations=True)
         self.router = Router(cfg, self.view, self.clients, Wiring(self.rng), self.stats, run.num_stages)
@@ -212,11 +213,16 @@ class Trainer:
             else:
                 tensors["grad_output"] = grad
                 req.forward_id, prefer = forwards[k]
+            # a step fed again (the swarm's step went back) repeats a contribution whose record is held:
+            # the record is replayed there; this run's (at other parameters) gives the input gradient only
+            req.check_only = self.replayer.holds(mb.cid, k)
             # no retry cap: later stages already hold this microbatch's gradient
             msg, grad, peer = answered = await self.router.call(
                 k, req, tensors, mb.samples, "backward", retry_limit=NO_RETRY_CAP,
                 min_step=mb.step_tag if run.exact else None, prefer=prefer,
             )  # fmt: skip
+            if req.check_only:
+                continue
             if k == run.num_stages - 1:
                 self.honesty.remember(k, "backward", req, tensors, mb.samples)
             if k > 0 and self.honesty.should_check():
@@ -228,26 +234,8 @@ class Trainer:
             inputs[k] = None  # the held record keeps what a replay needs
         mb.done = True
 
-    def _next_microbatch(self, global_step: int | None) -> Microbatch | None:
-        """The next microbatch to start (a retry first), or None while the staleness bound holds the
-        trainer back (swarm.policy.pacing)."""
-        if self._retry:
-            return self._retry.popleft()
-        taken = self.pacer.take(global_step or 0, self.run.microbatch, self.cfg.steps)
-        if taken is None:
-            return None
-        tag, offset, n = taken
-        # the samples follow from the microbatch's place in this trainer's stream: the same after a
-        # restart, so that a restarted trainer completes exactly what it had started
-        indices = self.sampler.take(tag * self.share + offset, n)
-        x, y = self.dataset.train(indices)
-        mb = Microbatch(contribution_id(self.trainer_id, tag, offset), indices, x, y, tag, samples_digest(indices))
-        if self._sample_log is not None:
-            self._sample_log.write(json.dumps({"cid": mb.cid, "step": tag, "indices": indices}) + "\n")
-            self._sample_log.flush()
-        return mb
-
     async def _run_microbatch(self, mb: Microbatch) -> bool:
+        again = False  # queued to run again
         try:
             try:
                 await self._process(mb)
@@ -262,7 +250,8 @@ class Trainer:
             self.stats.microbatches_rejected += 1
             if not self.run.exact and mb.rejections < MAX_REJECTIONS:  # dropped, its step could never complete
                 logger.warning("microbatch %s rejected (%s); it is queued again", mb.cid, e)
-                self._retry.append(mb.again(rejected=True))
+                self.feed.again(mb, rejected=True)
+                again = True
                 return False
             self.pacer.done(mb.step_tag, mb.samples)  # given up: waiting for it would stall the pacing
             logger.error("microbatch %s dropped: %s", mb.cid, e)
@@ -273,10 +262,13 @@ class Trainer:
             # failed before any gradient was accumulated: run the same samples again, same step
             self.stats.microbatches_requeued += 1
             logger.warning("microbatch %s failed (%s); it is queued again", mb.cid, e)
-            self._retry.append(mb.again())
+            self.feed.again(mb)
+            again = True
             return False
         finally:
             self.in_flight -= 1
+            if not again:
+                self.feed.finished(mb)
             if not mb.done:
                 self.replayer.forget(mb)
             self.progress.set()
@@ -311,7 +303,7 @@ class Trainer:
                 if (step is not None and step >= target) or self.stop_requested.is_set():
                     break
                 if self.in_flight < self.cfg.max_in_flight:
-                    mb = self._next_microbatch(step)
+                    mb = self.feed.next(step)
                     if mb is not None:
                         self.stats.idle_s += 0.0 if idle_since is None else time.monotonic() - idle_since
                         idle_since = None
@@ -376,6 +368,7 @@ class Trainer:
             self.pacer.restart(start_step)
             await self._train(self.cfg.steps)
             train_s = time.monotonic() - self.reporter.t_start
+            await self.replayer.settle(HELD_SETTLE_S, self.stop_requested)
             val_loss = await self._final_validation()
             await self.honesty.settle(0.0 if self.stop_requested.is_set() else SETTLE_S)  # unjudged accusations
             summary = self.reporter.summary(self.view.global_step() or 0, time.monotonic() - t0, train_s, val_loss)

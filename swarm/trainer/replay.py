@@ -8,6 +8,7 @@ so, and where)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -26,6 +27,7 @@ MIN_REPLAY_GAP_S = 1.0  # a record is not judged lost within this long of its ho
 UNKNOWN_HOLDER_GRACE_S = 5.0  # a holder this view has not discovered yet counts as lost after this long
 LEDGER_CHECK_S = 0.5
 LEDGER_TIMEOUT_S = 5.0
+SETTLE_S = 30.0  # at the end of training, the longest stay for held records to be released
 
 
 class Replayer:
@@ -43,6 +45,10 @@ class Replayer:
         self.held.append(
             HeldBackward(mb, stage, *_holder(response, peer_id), int(response.accumulated_step), request, tensors)
         )
+
+    def holds(self, cid: str, stage: int) -> bool:
+        """Whether a record of contribution `cid` at `stage` is held (from an earlier run of it)."""
+        return any(r.stage == stage and r.mb.cid == cid for r in self.held)
 
     def forget(self, mb: Microbatch) -> None:
         """Drop the records of a microbatch that did not finish (it runs again, or was given up)."""
@@ -140,6 +146,24 @@ class Replayer:
         self.stats.replays += 1
         where = "already held by " if response.duplicate else "on "
         logger.info("replayed %s's gradient on stage %d: %s%s", rec.mb.cid, rec.stage, where, rec.holder[-6:])
+
+    async def settle(self, wait_s: float, stop: asyncio.Event) -> None:
+        """At the end of training: stay (replaying) until every record is released, at most `wait_s`.
+        The global step counts a stage done when one of its peers applied the last update; if that
+        peer died before its mates had its sum, they rebuild the update from these records' replays."""
+        deadline = time.monotonic() + wait_s
+        while self.held and time.monotonic() < deadline and not stop.is_set():
+            self.progress.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(1.0, max(0.0, deadline - time.monotonic()))):
+                    await self.progress.wait()
+        if self.held:  # stopped early, the steps in flight are not applied: no surprise then
+            stages = sorted({r.stage for r in self.held})
+            logger.log(
+                logging.INFO if stop.is_set() else logging.WARNING,
+                "training ends with %d gradient record(s) of stages %s not yet shown applied by every live peer "
+                "of their stage", len(self.held), stages,
+            )  # fmt: skip
 
     async def run(self) -> None:
         replaying: set[int] = set()

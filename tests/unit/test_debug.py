@@ -18,11 +18,15 @@ def test_no_plan_without_a_step():
     assert parse("--debug-fail-in-request") is None
 
 
-def test_the_plan_fires_from_its_step_on_in_the_step_loop_or_in_a_request():
+def test_the_plan_fires_from_its_step_on_in_the_step_loop_a_request_or_a_mates_fetch():
     plan = parse("--debug-fail-at-step", "5", "--debug-fail-mode", "stop")
     assert (plan.fail_at_step, plan.fail_mode, plan.in_request) == (5, "stop", False)
     assert not plan.due(4) and plan.due(5) and plan.due(9)
-    assert parse("--debug-fail-at-step", "5", "--debug-fail-mode", "leave", "--debug-fail-in-request").in_request
+    assert plan.at_step_loop
+    in_request = parse("--debug-fail-at-step", "5", "--debug-fail-mode", "leave", "--debug-fail-in-request")
+    assert in_request.in_request and not in_request.at_step_loop
+    in_fetch = parse("--debug-fail-at-step", "5", "--debug-fail-in-mate-fetch")
+    assert in_fetch.in_mate_fetch and not in_fetch.in_request and not in_fetch.at_step_loop
 
 
 def test_an_unknown_mode_is_refused():

@@ -51,6 +51,19 @@ def test_duplicate_request_is_not_accumulated_twice(last_stage):
     assert torch.allclose(a.grad_input, b.grad_input)
 
 
+def test_a_repeat_of_an_applied_contribution_names_the_update_that_applied_it(last_stage):
+    """The trainer releases a Backward record when the stage's ledger lists it from the step the answer
+    names: a repeat answered with a later step (the peer's current one) was never released."""
+    h, y = torch.randn(2, 8, 16), torch.randint(0, 64, (2, 8))
+    first = last_stage.backward(h, None, y, "t0/0/0", 0).result(timeout=30)
+    last_stage.call(last_stage.local_step).result(timeout=30)
+    last_stage.call(last_stage.local_step).result(timeout=30)  # update 1, with nothing in it
+    repeat = last_stage.backward(h, None, y, "t0/0/0", 0).result(timeout=30)
+    assert (first.accumulated_step, first.duplicate) == (0, False)
+    assert (repeat.accumulated_step, repeat.duplicate) == (0, True) and last_stage.step == 2
+    assert last_stage.samples_accumulated == 0
+
+
 def test_nan_input_gradient_is_rejected_and_state_kept(last_stage):
     mid = StageExecutor(build_stage({**GPT, "n_layers": 3}, 1, 3), OptimConfig())
     try:

@@ -1,6 +1,7 @@
 """The trainer's replayer (swarm.trainer.replay) replays a held gradient when its holder dropped it,
 and only on evidence newer than the holder's answer."""
 
+import logging
 import time
 
 import torch
@@ -77,3 +78,40 @@ def test_a_replay_goes_to_a_mate_of_a_live_holder_that_dropped_it():
     assert replayer._replay_exclude(rec) == set()  # an accused mate takes no work
     view.accused = {"p": object()}
     assert replayer._replay_exclude(rec) == {"p"}
+
+
+def test_the_end_of_training_waits_for_held_records_until_released_or_the_deadline(caplog):
+    """At the end, a trainer stays while it holds records (a stage may rebuild its last update from
+    their replays), until they are released, the deadline passes, or a stop is asked for."""
+    import asyncio
+
+    mb = Microbatch("t0/3/0", [0, 1], torch.zeros(2, 4), torch.zeros(2, 4), 3, 0)
+    status = PeerStatus(load=PeerLoad("p", 2, "127.0.0.1:1"), record_state=PeerState.ONLINE)
+
+    async def go() -> tuple[float, float, float]:
+        replayer = Replayer(_View(status), None, None, "run", None, asyncio.Event())
+        replayer.held = [HeldBackward(mb, 2, "p", 0, 3, pb.BackwardRequest(), {})]
+        t0 = time.monotonic()
+        await replayer.settle(0.3, asyncio.Event())  # nothing releases it: the deadline ends the wait
+        timed_out = time.monotonic() - t0
+
+        async def release() -> None:
+            await asyncio.sleep(0.1)
+            replayer.held = []
+            replayer.progress.set()
+
+        t0 = time.monotonic()
+        await asyncio.gather(release(), replayer.settle(30.0, asyncio.Event()))
+        released = time.monotonic() - t0
+        replayer.held = [HeldBackward(mb, 2, "p", 0, 3, pb.BackwardRequest(), {})]
+        stop = asyncio.Event()
+        stop.set()
+        t0 = time.monotonic()
+        await replayer.settle(30.0, stop)
+        return timed_out, released, time.monotonic() - t0
+
+    with caplog.at_level("INFO"):
+        timed_out, released, stopped = asyncio.run(go())
+    assert 0.3 <= timed_out < 2.0 and released < 2.0 and stopped < 0.5
+    warnings = [r for r in caplog.records if "training ends with 1 gradient record" in r.getMessage()]
+    assert [r.levelno for r in warnings] == [logging.WARNING, logging.INFO]  # a stopped run: no surprise

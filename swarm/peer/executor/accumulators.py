@@ -136,6 +136,11 @@ class Accumulators:
             return None
         return hint
 
+    def applied_step(self, cid: str) -> int | None:
+        """The update that applied contribution `cid` here, if this peer remembers one."""
+        step = self._applied.get(cid)
+        return self._applied.get(base_id(cid)) if step is None else step
+
     def target_step(self, tag: int) -> int:
         """The update a backward tagged `tag` goes into: its own. One for an update this peer froze
         (the stage is agreeing on it) or applied, and that it does not hold, is refused: in the first

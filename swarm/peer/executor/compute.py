@@ -332,10 +332,14 @@ class StageExecutor(StageUpdates, ComputeThread):
             self.counters.check_samples += n
         elif duplicate:
             self.counters.duplicate_samples += n
+        # a contribution already applied here is in that update's ledger entry (the trainer releases its
+        # record once it reads it there: a later step's entries never list it)
+        applied = self.acc.applied_step(tasks[0].request_id) if holder is not None else None
+        reported = target_step if applied is None else applied
         for task, grad_input, losses in answers:
             share = elapsed * task.size / max(1, n)
             task.future.set_result(
                 BackwardResult(
-                    grad_input, losses, target_step, duplicate, share, self.acc.epoch, holder, self.step, predicted
+                    grad_input, losses, reported, duplicate, share, self.acc.epoch, holder, self.step, predicted
                 )
             )
