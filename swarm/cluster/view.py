@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from swarm.cluster.accusations import MAX_HINT_IDS, AccusationReads
+from swarm.cluster.watch import MateWatch
 from swarm.core.settings import DHT_REFRESH_S, INFO_PERIOD_S, INFO_TIMEOUT_S, LIVENESS_WINDOW_S
 from swarm.core.states import PeerState
 from swarm.dht.node import SwarmDHT
@@ -109,6 +110,8 @@ class SwarmView:
         self.offline_seen: set[str] = set()
         self._dht_call: asyncio.Future | None = None
         self.poll_stages: set[int] | None = None
+        self.watched: set[str] = set()  # peers a MateWatch keeps fresh: the periodic polls skip them
+        self.watch: MateWatch | None = None
         # called after each round of Info polls (e.g. swarm.peer.partials reacts to a mate's new count)
         self.info_listeners: list[Callable[[], None]] = []
         # peers a trainer caught answering differently from their stage-mates (swarm.trainer.honesty):
@@ -229,24 +232,33 @@ class SwarmView:
         """The newest accused peers this view knows, for Info polls and answers (swarm.cluster.accusations)."""
         return list(self.accused)[-MAX_HINT_IDS:] if self.accused else []
 
-    async def _poll_one(self, status: PeerStatus, wait_for_step: int = 0, wait_s: float = 0.0) -> None:
+    async def poll_one(
+        self, status: PeerStatus, wait_for_step: int = 0, wait_s: float = 0.0, watch: bool = False
+    ) -> bool:
+        """Poll one peer's Info (a long poll with `wait_for_step`, or with `watch`: until its step or
+        accumulated samples differ from what this view last heard, swarm.cluster.watch); True if it
+        answered."""
         status.next_poll = time.monotonic() + self.info_period_s  # after a failure: try again at the base rate
         asked = time.monotonic()
+        # a watch's first poll is answered at once: there is nothing seen to compare with yet
+        seen = (status.step, status.samples_accumulated) if watch and status.last_info_ok else None
+        wait_s = wait_s if seen is not None or wait_for_step else 0.0
         try:
             client = self.clients.get(status.load.address)
             info = await client.info(
-                timeout=self.info_timeout_s, wait_for_step=wait_for_step, wait_s=wait_s, accused=self.accused_hint()
-            )
+                timeout=self.info_timeout_s, wait_for_step=wait_for_step, wait_s=wait_s, accused=self.accused_hint(),
+                seen=seen,
+            )  # fmt: skip
         except grpc.aio.AioRpcError:
             status.info_failures += 1
-            return
+            return False
         except Exception as e:  # noqa: BLE001
             logger.debug("info poll of %s failed: %s", status.load.address, e)
             status.info_failures += 1
-            return
+            return False
         if info.peer_id and info.peer_id != status.peer_id:
             status.info_failures += 1  # a different process now listens at that address
-            return
+            return False
         status.info_failures = 0
         client.set_lane(info.lane_port)
         status.last_info_ok, status.info_asked = time.monotonic(), asked
@@ -269,6 +281,7 @@ class SwarmView:
         status.record_state = _state_of(info.state) if info.stage == status.stage else PeerState.OFFLINE
         if info.throughput > 0:
             status.load.throughput = info.throughput
+        return True
 
     async def poll_info(
         self, stages: set[int] | None = None, concurrency: int | None = None, due_only: bool = False
@@ -281,18 +294,22 @@ class SwarmView:
             for s in self.peers.values()
             if s.record_state != PeerState.OFFLINE
             and (stages is None or s.stage in stages)
-            and (not due_only or s.next_poll <= now)
+            and (not due_only or (s.next_poll <= now and s.peer_id not in self.watched))
         ]
         if targets and concurrency:
             limit = asyncio.Semaphore(concurrency)
 
             async def bounded(s: PeerStatus) -> None:
                 async with limit:
-                    await self._poll_one(s)
+                    await self.poll_one(s)
 
             await asyncio.gather(*(bounded(s) for s in targets))
         elif targets:
-            await asyncio.gather(*(self._poll_one(s) for s in targets))
+            await asyncio.gather(*(self.poll_one(s) for s in targets))
+        self.notify_answers()
+
+    def notify_answers(self) -> None:
+        """Info answers came in (a round of polls, or a watched mate's): wake the waiters and listeners."""
         self.changed.set()
         for listener in self.info_listeners:
             try:
@@ -309,7 +326,7 @@ class SwarmView:
         online = [s for s in self.peers.values() if s.record_state == PeerState.ONLINE and self.is_live(s, now)]
         behind = [s for s in online if s.step < step]
         before = [s.last_info_ok for s in behind]
-        pending = {asyncio.ensure_future(self._poll_one(s, step, wait_s)) for s in behind}
+        pending = {asyncio.ensure_future(self.poll_one(s, step, wait_s)) for s in behind}
         reached = None
         try:
             while pending:
@@ -341,15 +358,21 @@ class SwarmView:
             await self.poll_info(self.poll_stages, due_only=True)
             await asyncio.sleep(self.info_period_s)
 
-    def start(self, poll_stages: set[int] | None = None, read_hinted_accusations: bool = False) -> None:
+    def start(
+        self, poll_stages: set[int] | None = None, read_hinted_accusations: bool = False, watch: bool = False
+    ) -> None:
         """Refresh the DHT records of all stages; poll Info of the peers of `poll_stages` (all if None;
-        a peer that moves changes `poll_stages`); with `read_hinted_accusations`, read the accusations
-        as soon as an Info answer names a peer accused that this view does not know (a trainer: it
-        stops sending a liar work once it reads the accusation; swarm.cluster.accusations)."""
+        a peer that moves changes `poll_stages`), or with `watch` (a peer's mates) hold a long poll on
+        each, answered when its accumulator changes (swarm.cluster.watch); with `read_hinted_accusations`,
+        read the accusations as soon as an Info answer names an accused peer this view does not know
+        (a trainer stops sending a liar work once it reads the accusation; swarm.cluster.accusations)."""
         self.poll_stages = poll_stages
         if read_hinted_accusations:
             self.hinted_reads = AccusationReads(self.refresh_accusations, lambda: set(self.peers) - set(self.accused))
         self._tasks = [asyncio.create_task(self._dht_loop()), asyncio.create_task(self._info_loop())]
+        if watch:
+            self.watch = MateWatch(self, self.notify_answers)
+            self._tasks.append(asyncio.create_task(self.watch.run()))
 
     async def stop(self) -> None:
         for task in self._tasks:

@@ -135,7 +135,7 @@ class Peer:
         self.records.start()
         self.view.info_listeners.append(self._note_mates_step)
         self._wake_steps_on_progress()
-        self.view.start(poll_stages={m.stage})
+        self.view.start(poll_stages={m.stage}, watch=True)
         self._tasks = [
             asyncio.create_task(self._step_loop()),
             asyncio.create_task(self._config_keeper(signed.to_text())),

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
 
 import grpc
@@ -133,7 +133,9 @@ async def reduced_chunks(
         yield chunk
 
 
-async def partial_chunks(executor: StageExecutor, request: pb.PartialRequest) -> AsyncIterator[bytes]:
+async def partial_chunks(
+    executor: StageExecutor, request: pb.PartialRequest, before_fetch: Callable[..., Awaitable[None]] | None = None
+) -> AsyncIterator[bytes]:
     """What GetPartialGradient streams: this peer's own sum for `step`, taken between batches; with
     `frozen`, its frozen float32 sum (or one shard of it) for the stage's direct averaging (with its
     accumulator epoch); with `reduced`, its reduced shard (`reduced_chunks`). No checksum (TCP
@@ -145,6 +147,8 @@ async def partial_chunks(executor: StageExecutor, request: pb.PartialRequest) ->
             yield chunk
         return
     if frozen:
+        if before_fetch is not None:  # debug only: a fault injected here (swarm.peer.faults)
+            await before_fetch(executor, step)
         # a mate that agreed a moment before this peer reached its own averaging waits for it, up to
         # FROZEN_WAIT_S, while this peer holds that update frozen (as in an all-reduce, every member
         # takes part: a sum is handed out only while its owner averages it too, or after)

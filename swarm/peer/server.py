@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -144,8 +145,8 @@ class StageService:
                     forward_key=fkey, reference=msg.reference,
                 )  # fmt: skip
                 result = await asyncio.wrap_future(future)
-                if self.serving.on_accumulated is not None and not result.duplicate:
-                    self.serving.on_accumulated()
+                if not result.duplicate:
+                    self.serving.notify_accumulated()
                 out = result.grad_input
                 acc["accumulated_step"] = max(acc.get("accumulated_step", 0), result.accumulated_step)
                 acc["duplicate"] = acc.get("duplicate", True) and result.duplicate
@@ -286,7 +287,10 @@ class StageService:
             await abort(context, e)
         if request.accused and self.serving.on_accused is not None:
             self.serving.on_accused(list(request.accused))
-        if request.wait_for_step > 0 and request.wait_ms > 0:
+        if request.watch and request.wait_ms > 0:
+            seen = (int(request.seen_step), int(request.seen_samples))
+            await self.serving.wait_for_change(seen, request.wait_ms / 1000)
+        elif request.wait_for_step > 0 and request.wait_ms > 0:
             await self.serving.wait_for_step(int(request.wait_for_step), request.wait_ms / 1000)
         answer = self.serving.info()
         answer.streams_peak = self.admission.streams_peak
@@ -333,13 +337,8 @@ class StageService:
             await abort(context, e)
 
     async def get_partial_gradient(self, raw: bytes, context) -> AsyncIterator[bytes]:
-        async for chunk in self._blob(pb.PartialRequest, raw, context, self._partial_chunks):
-            yield chunk
-
-    async def _partial_chunks(self, executor: StageExecutor, request: pb.PartialRequest) -> AsyncIterator[bytes]:
-        if request.frozen and self.serving.before_mate_fetch is not None:  # debug: a fault injected here
-            await self.serving.before_mate_fetch(executor, int(request.step))
-        async for chunk in partial_chunks(executor, request):
+        chunks = functools.partial(partial_chunks, before_fetch=self.serving.before_mate_fetch)
+        async for chunk in self._blob(pb.PartialRequest, raw, context, chunks):
             yield chunk
 
     async def get_contributions(self, raw: bytes, context) -> bytes:

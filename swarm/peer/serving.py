@@ -76,23 +76,47 @@ class ServingState:
         self.before_compute: Callable[[int], Awaitable[None]] | None = None
         # debug only (FaultPlan.in_mate_fetch): awaited with (executor, update) before a mate's fetch of a frozen sum
         self.before_mate_fetch: Callable[[StageExecutor, int], Awaitable[None]] | None = None
-        self._stepped: asyncio.Event | None = None  # set (and replaced) whenever the step changes
+        # set (and replaced) whenever the step or the samples accumulated for it change
+        self._changed: asyncio.Event | None = None
 
     def notify_step(self) -> None:
         """The executor's step changed (an update applied, a state loaded): answer the long polls."""
-        if self._stepped is not None:
-            self._stepped.set()
-            self._stepped = None
+        self._notify()
+
+    def notify_accumulated(self) -> None:
+        """A backward was accumulated here: answer the mates' watches (swarm.cluster.watch), wake the
+        step decision."""
+        self._notify()
+        if self.on_accumulated is not None:
+            self.on_accumulated()
+
+    def _notify(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    def accumulator_state(self) -> tuple[int, int]:
+        """(step, samples accumulated for it), as Info reports them: what a mate's watch compares."""
+        ex = self.executor
+        return (0, 0) if ex is None else (ex.fingerprint[0], ex.samples_accumulated)
 
     async def wait_for_step(self, step: int, wait_s: float) -> None:
         """Until the executor's step reaches `step`, at most `wait_s` (an Info long poll)."""
+        await self._wait_while(lambda: self.executor is None or self.executor.step < step, wait_s)
+
+    async def wait_for_change(self, seen: tuple[int, int], wait_s: float) -> None:
+        """Until this peer's (step, samples accumulated) differ from `seen`, at most `wait_s` (a mate's
+        watch: it learns of each accumulated backward at once, not at its next poll)."""
+        await self._wait_while(lambda: self.accumulator_state() == seen, wait_s)
+
+    async def _wait_while(self, unchanged: Callable[[], bool], wait_s: float) -> None:
         deadline = time.monotonic() + min(wait_s, MAX_INFO_WAIT_S)
-        while (self.executor is None or self.executor.step < step) and time.monotonic() < deadline:
-            if self._stepped is None:
-                self._stepped = asyncio.Event()
+        while unchanged() and time.monotonic() < deadline:
+            if self._changed is None:
+                self._changed = asyncio.Event()
             try:
                 async with asyncio.timeout(deadline - time.monotonic()):
-                    await self._stepped.wait()
+                    await self._changed.wait()
             except TimeoutError:
                 return
 

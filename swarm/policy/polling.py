@@ -20,6 +20,17 @@ DHT_REPLICAS = 5  # replicas of a DHT record (hivemind's default num_replicas)
 DHT_BUDGET_BYTES_PER_S = 50e6 / 8  # bytes a second each replica of a stage record serves at most (50 Mbit/s)
 DHT_ENTRY_BYTES = 900.0  # one peer's signed entry in its stage record (owner key and signature included)
 POLLERS_WINDOW_S = 2.0  # a poller not heard from for this long no longer counts
+# a peer's watch on its stage-mates' accumulators (swarm.cluster.watch): long polls answered on change
+WATCH_WAIT_S = 1.0  # a watched mate answers at the latest after this long, changed or not
+WATCH_GAP_S = 0.01  # least time between two watch polls of one mate, whatever it answers
+WATCH_MAX_MATES = 16  # a peer with more stage-mates polls them at the budgeted period instead
+
+
+def watches_mates(mates: int) -> bool:
+    """Whether a peer with `mates` stage-mates watches them instead of polling them. Each watch is
+    answered once per WATCH_WAIT_S and once per change of the mate's count, which the answer budget
+    cannot stretch: only small stages watch (a peer of a stage of 17 answers at most 16 watches)."""
+    return 0 < mates <= WATCH_MAX_MATES
 
 
 def info_period(pollers: int, base_s: float, budget_per_s: float = INFO_BUDGET_PER_S) -> float:

@@ -15,6 +15,11 @@ entries of `dht_record_bytes`, and each one is stored on `dht_replicas` peers, w
 * how stale the views are: the stage-mates learn that a stage holds its global batch, and the
   trainers that a stage applied an update, within one poll period (drawn uniformly).
 
+A peer with at most WATCH_MAX_MATES stage-mates watches them instead (swarm.cluster.watch, the code
+since 2026-12-07): one long poll per mate, answered once per change of the mate's count (one per
+microbatch it accumulates, `mate_changes_s`) and once per WATCH_WAIT_S without one. The mates then
+learn that their stage holds its batch within one one-way latency, not a poll period.
+
 * how late the trainers learn of a peer: a peer that comes online (joined or moved) is added to
   the trainers' views after a uniform draw within one DHT period, and a dead one dropped after
   `dead_after` plus one Info period (the last answer can be a period old).
@@ -33,7 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from swarm.policy.polling import dht_period, info_period
+from swarm.policy.polling import WATCH_WAIT_S, dht_period, info_period, watches_mates
 
 MIN_CPU_SHARE = 0.02  # a peer drowned in polls still computes this share of its throughput
 MIN_LINK_SHARE = 0.05
@@ -48,25 +53,31 @@ class PollLoad:
     period_s: float  # how often each poller refreshes its view of this peer
     cpu_share: float  # CPU share of all its Info exchanges
     link_bps: float  # bytes/s on its link
+    watched: bool = False  # its mates watch it (and it them): they learn of its count at once
 
     @property
     def exchanges_s(self) -> float:
         return self.answers_s + self.polls_s
 
 
-def poll_load(n: int, trainers: int, cfg) -> PollLoad:
-    """Info traffic of one peer among n stage-mates (itself included) polled by `trainers` trainers."""
-    pollers = max(0, n - 1) + trainers
+def poll_load(n: int, trainers: int, cfg, mate_changes_s: float = 0.0) -> PollLoad:
+    """Info traffic of one peer among n stage-mates (itself included) polled by `trainers` trainers;
+    `mate_changes_s`: how often one peer's accumulated count changes (its microbatches a second)."""
+    mates = max(0, n - 1)
+    watched = cfg.polling == "budget" and watches_mates(mates)
+    pollers = trainers if watched else mates + trainers
     period = cfg.info_period
     if cfg.polling == "budget":
         period = info_period(pollers, period, cfg.info_budget)
-    answers, polls = pollers / period, max(0, n - 1) / period
+    watch_s = mates * (1 / WATCH_WAIT_S + mate_changes_s) if watched else 0.0  # answered and asked alike
+    answers, polls = pollers / period + watch_s, (watch_s if watched else mates / period)
     return PollLoad(
         answers_s=answers,
         polls_s=polls,
         period_s=period,
         cpu_share=(answers + polls) * cfg.info_cost_ms / 1000,
         link_bps=(answers + polls) * cfg.info_bytes,
+        watched=watched,
     )
 
 
@@ -117,7 +128,9 @@ class Overheads:
     def _stage_changed(self, k: int) -> None:
         """Stage k gained or lost a serving peer: recompute its peers' polling load (and the DHT's)."""
         cfg = self.cfg
-        p = self.poll[k] = poll_load(len(self.serving[k]), cfg.trainers, cfg)
+        n = len(self.serving[k])
+        changes = sum(p.thr for p in self.serving[k]) / max(1, n) / self.b  # one peer's microbatches a second
+        p = self.poll[k] = poll_load(n, cfg.trainers, cfg, changes)
         self.cpu_free[k] = 1.0 - p.cpu_share
         self.link_used[k] = p.link_bps
         self.dht = dht_load(len(self.alive), cfg.trainers, cfg.stages, cfg)

@@ -3,7 +3,8 @@
 As in swarm.peer.stepping: trainers tag every microbatch with a step and give each step exactly its
 share of the global batch B (swarm.policy.pacing.StepPacer, the real one). A stage's peers count the
 samples whose backward they computed; once the stage holds B for its next update t, its peers notice
-(within one Info poll of their mates: half a period on average), agree on the update's contents (one
+(a stage of at most 17 peers at once, through its mates' watches; a larger one within one Info poll
+of the mates: half a period on average), agree on the update's contents (one
 RPC round among them), all-reduce the gradient and apply it. The global step, which the trainers pace
 against, is the minimum over stages, and they see it within one Info poll. In exact mode a trainer
 starts step t+1 only after every stage applied t; in async mode, up to `max_staleness` steps' worth
@@ -163,8 +164,10 @@ class Steps:
         members = list(self.serving[k])
         self.tokens += 1
         allreduce, single = allreduce_seconds(members, self.grad_bytes, self._bandwidth), 0.0
-        if len(members) > 1:  # notice (within a poll of the mates), agree (one RPC round), all-reduce
-            single = self.sync_rng.uniform(0.0, self.poll[k].period_s) + 4 * max(p.lat for p in members) + allreduce
+        if len(members) > 1:  # notice (a watch's answer, or within a poll), agree (one RPC round), all-reduce
+            latency = max(p.lat for p in members)
+            notice = latency if self.poll[k].watched else self.sync_rng.uniform(0.0, self.poll[k].period_s)
+            single = notice + 4 * latency + allreduce
         self.rounds[k] = (self.tokens, set(members), self.now)
         self._push(self.now + single, UPDATE, (k, self.tokens, allreduce))
 

@@ -89,11 +89,19 @@ class StageClient:
         self._get_ledger = self.channel.unary_stream("/swarm.Stage/GetLedger", request_serializer=ser)
 
     async def info(
-        self, timeout: float, wait_for_step: int = 0, wait_s: float = 0.0, accused: Sequence[str] = ()
+        self,
+        timeout: float,
+        wait_for_step: int = 0,
+        wait_s: float = 0.0,
+        accused: Sequence[str] = (),
+        seen: tuple[int, int] | None = None,
     ) -> pb.InfoResponse:
         """The peer's Info; with `wait_for_step`, once its step reaches that (or after `wait_s`);
+        with `seen` (step, samples accumulated), once either differs from it (or after `wait_s`);
         `accused`: peers the caller knows accused of lying (the peer reads of them at once)."""
         request = pb.InfoRequest(wait_for_step=wait_for_step, wait_ms=round(1000 * wait_s), accused=accused)
+        if seen is not None:
+            request.watch, (request.seen_step, request.seen_samples) = True, seen
         return await self._info(request, timeout=timeout + wait_s)
 
     def set_lane(self, port: int) -> None:

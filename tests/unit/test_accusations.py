@@ -150,7 +150,7 @@ def test_a_trainers_view_reads_the_accusations_when_an_info_answer_names_an_unkn
         def set_lane(self, port):
             pass
 
-        async def info(self, timeout, wait_for_step=0, wait_s=0.0, accused=()):
+        async def info(self, timeout, wait_for_step=0, wait_s=0.0, accused=(), seen=None):
             self.sent.append(list(accused))
             return pb.InfoResponse(peer_id="p1", stage=0, state="online", accused=["p2"])
 

@@ -38,7 +38,7 @@ class _Client:
     def set_lane(self, port: int) -> None:
         self.lane_port = port
 
-    async def info(self, timeout: float, wait_for_step: int = 0, wait_s: float = 0.0, accused=()):
+    async def info(self, timeout: float, wait_for_step: int = 0, wait_s: float = 0.0, accused=(), seen=None):
         self.calls += 1
         self.accused = list(accused)
         return self.answers[0]

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from swarm.policy import wiring
+from swarm.policy.polling import WATCH_MAX_MATES, WATCH_WAIT_S
 from swarm.policy.wiring import Wiring
 from swarm.sim import steps
 from swarm.sim.cli import add_sim_parser
@@ -316,6 +317,18 @@ def test_polling_cost_grows_with_trainers_and_peers_and_the_budget_caps_it():
     dht, dht_budget = dht_load(10_000, 1, 16, cfg), dht_load(10_000, 1, 16, budget)
     assert dht_budget.replica_link_bps <= budget.dht_budget_mbps * 1e6 / 8 * (1 + 1e-9) < dht.replica_link_bps
     assert dht_budget.period_s > dht.period_s
+
+
+def test_small_stages_watch_their_mates_and_large_ones_poll_them():
+    """swarm.cluster.watch: a peer with at most WATCH_MAX_MATES mates holds a long poll on each, answered
+    per change of the mate's count and once per WATCH_WAIT_S; beyond that it polls at the budget."""
+    cfg = SimConfig()
+    small = poll_load(4, 2, cfg, mate_changes_s=2.0)
+    assert small.watched and small.polls_s == pytest.approx(3 * (1 / WATCH_WAIT_S + 2.0))
+    assert small.answers_s == pytest.approx(2 / cfg.info_period + small.polls_s)  # the trainers poll as before
+    large = poll_load(WATCH_MAX_MATES + 2, 2, cfg, mate_changes_s=2.0)
+    assert not large.watched and large.polls_s == pytest.approx((WATCH_MAX_MATES + 1) / large.period_s)
+    assert not poll_load(4, 2, dataclasses.replace(cfg, polling="fixed")).watched  # the code before both
 
 
 def test_polling_slows_a_crowded_stage_and_the_budget_restores_it():

@@ -1,0 +1,170 @@
+"""A peer's watch on its mates' accumulators (swarm.cluster.watch): the Info long poll that is
+answered when a backward is accumulated, and the view side that keeps one per mate."""
+
+import asyncio
+
+import pytest
+import torch
+
+from swarm.cluster.view import PeerStatus, SwarmView
+from swarm.cluster.watch import MateWatch
+from swarm.core.states import PeerState
+from swarm.peer.executor import StageExecutor
+from swarm.peer.server import StageService
+from swarm.peer.serving import Limits, ServingState
+from swarm.policy.polling import WATCH_MAX_MATES
+from swarm.policy.wiring import PeerLoad
+from swarm.training.config import OptimConfig
+from swarm.training.models import build_stage
+from swarm.wire import codec
+from swarm.wire.protocol import pb
+
+SPEC = {"kind": "gpt", "vocab_size": 64, "seq_len": 8, "d_model": 16, "n_layers": 2, "n_heads": 2, "d_ff": 32}
+
+
+class _Context:
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:40000"
+
+    async def abort(self, code, details="", trailing_metadata=()):
+        raise AssertionError(f"{code}: {details}")
+
+
+def _last_stage() -> tuple[StageService, StageExecutor]:
+    built = build_stage(SPEC, 1, 2)
+    executor = StageExecutor(built, OptimConfig(), max_batch_samples=16)
+    serving = ServingState("run", "peer", "0")
+    serving.stage, serving.state, serving.executor, serving.schema = 1, PeerState.ONLINE, executor, built.schema
+    return StageService(serving, Limits()), executor
+
+
+def _backward(n: int) -> bytes:
+    request = pb.BackwardRequest(request_id="b", run_id="run", stage=1, step=0, num_samples=n, contribution_id="t0/0/0")
+    request.input.CopyFrom(codec.tensor_to_proto(torch.randn(n, SPEC["seq_len"], SPEC["d_model"])))
+    request.targets.CopyFrom(codec.tensor_to_proto(torch.randint(0, SPEC["vocab_size"], (n, SPEC["seq_len"]))))
+    return request.SerializeToString()
+
+
+def _watch(step: int, samples: int, wait_ms: int) -> bytes:
+    return pb.InfoRequest(watch=True, seen_step=step, seen_samples=samples, wait_ms=wait_ms).SerializeToString()
+
+
+@pytest.mark.timeout(60)
+def test_a_watch_is_answered_when_a_backward_is_accumulated():
+    """A real StageService and executor: a watch that has seen (step 0, 0 samples) waits while nothing
+    changes, is answered the moment a backward is accumulated (not after its 5 s), and a watch whose
+    view is stale is answered at once."""
+    service, executor = _last_stage()
+    ctx = _Context()
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        first = pb.InfoResponse.FromString(await service.info(pb.InfoRequest().SerializeToString(), ctx))
+        assert (first.step, first.samples_accumulated) == (0, 0)
+        waiting = asyncio.ensure_future(service.info(_watch(0, 0, 5000), ctx))
+        await asyncio.sleep(0.2)
+        assert not waiting.done(), "nothing changed: the watch is held"
+        t0 = loop.time()
+        await service.backward(_backward(3), ctx)
+        answer = pb.InfoResponse.FromString(await asyncio.wait_for(waiting, 2.0))
+        assert answer.samples_accumulated == 3 and loop.time() - t0 < 2.0
+        t0 = loop.time()
+        await service.info(_watch(0, 3, 300), ctx)  # seen what is there: held until its wait ends
+        assert loop.time() - t0 >= 0.25
+        t0 = loop.time()
+        stale = pb.InfoResponse.FromString(await service.info(_watch(0, 1, 5000), ctx))
+        assert stale.samples_accumulated == 3 and loop.time() - t0 < 1.0
+
+    try:
+        asyncio.run(go())
+    finally:
+        executor.stop()
+
+
+class _ScriptedClient:
+    """A mate whose accumulator changes as scripted: each watch is answered with the next state."""
+
+    def __init__(self, states: list[tuple[int, int]]) -> None:
+        self.states, self.seen, self.plain = list(states), [], 0
+
+    def set_lane(self, port: int) -> None:
+        pass
+
+    async def info(self, timeout, wait_for_step=0, wait_s=0.0, accused=(), seen=None):
+        if seen is None:
+            self.plain += 1
+        else:
+            self.seen.append(seen)
+        if seen is not None and not self.states:
+            await asyncio.sleep(wait_s)  # nothing changes any more: held for the whole wait
+        step, samples = self.states.pop(0) if self.states else seen
+        return pb.InfoResponse(peer_id="m1", stage=0, state="online", step=step, samples_accumulated=samples)
+
+
+class _Clients:
+    def __init__(self, client) -> None:
+        self.client = client
+
+    def get(self, address: str):
+        return self.client
+
+
+@pytest.mark.timeout(30)
+def test_mate_watch_passes_on_each_change_and_replaces_the_periodic_polls():
+    """The view's watch asks with what it last heard, hands each answer to the listeners (the step
+    decision, the partial sums' fetcher), the periodic poll leaves a watched mate alone, and a mate
+    that left the polled stages is no longer watched."""
+    client = _ScriptedClient([(0, 0), (0, 8), (0, 16), (1, 0)])
+
+    async def go():
+        view = SwarmView(dht=None, num_stages=2, clients=_Clients(client))
+        view.peers["m1"] = PeerStatus(PeerLoad("m1", 0, "addr"), record_state=PeerState.ONLINE)
+        view.poll_stages = {0}
+        heard: list[tuple[int, int]] = []
+        view.info_listeners.append(lambda: heard.append((view.peers["m1"].step, view.peers["m1"].samples_accumulated)))
+        watch = MateWatch(view, view.notify_answers)
+        task = asyncio.create_task(watch.run())
+        try:
+            async with asyncio.timeout(10):
+                while len(heard) < 4:
+                    await asyncio.sleep(0.01)
+            assert heard[:4] == [(0, 0), (0, 8), (0, 16), (1, 0)]
+            assert client.plain == 1 and client.seen[:3] == [(0, 0), (0, 8), (0, 16)]
+            assert view.watched == {"m1"}
+            calls = client.plain + len(client.seen)
+            view.peers["m1"].next_poll = 0.0
+            await view.poll_info(due_only=True)  # due, but watched: not polled again
+            assert client.plain + len(client.seen) == calls
+            view.poll_stages = {1}  # this peer moved to stage 1: its old mate is not watched
+            async with asyncio.timeout(5):
+                while view.watched:
+                    await asyncio.sleep(0.01)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        assert view.watched == set()
+
+    asyncio.run(go())
+
+
+def test_a_large_stage_is_polled_not_watched():
+    """Watches are not stretched by the answer budget: a peer with more than WATCH_MAX_MATES mates
+    polls them at the budgeted period instead."""
+
+    async def go():
+        view = SwarmView(dht=None, num_stages=1, clients=_Clients(_ScriptedClient([])))
+        view.poll_stages = {0}
+        for i in range(WATCH_MAX_MATES + 1):
+            view.peers[f"m{i}"] = PeerStatus(PeerLoad(f"m{i}", 0, "addr"), record_state=PeerState.ONLINE)
+        watch = MateWatch(view, view.notify_answers)
+        watch._sync()
+        assert view.watched == set()
+        del view.peers["m0"]
+        watch._sync()
+        assert len(view.watched) == WATCH_MAX_MATES
+        watch._sync()  # nothing changed: the same watches
+        for task in watch._watches.values():
+            task.cancel()
+        await asyncio.gather(*watch._watches.values(), return_exceptions=True)
+
+    asyncio.run(go())
