@@ -42,6 +42,7 @@ class PeerStatus:
     info_asked: float = 0.0  # when the Info request behind the fields below was sent (monotonic)
     first_seen: float = field(default_factory=time.monotonic)
     info_failures: int = 0
+    refused: bool = False  # its last Info poll found nothing listening (UNAVAILABLE): dead, not slow
     fingerprint: tuple[float, float] = (0.0, 0.0)
     epoch: int = 0  # accumulator epoch: gradients it held under an older one are gone
     note: str = ""  # why it is not serving yet, as it says
@@ -122,8 +123,8 @@ class SwarmView:
 
     def is_live(self, status: PeerStatus, now: float | None = None) -> bool:
         now = time.monotonic() if now is None else now
-        if not status.record_state.serving:
-            return False
+        if not status.record_state.serving or status.refused:
+            return False  # refused: a killed peer is dropped at once, not after the window (a stopped one is not)
         if status.last_info_ok:
             # a peer polled less often (it has many pollers) gets as many polls' time to answer
             return now - status.last_info_ok < max(LIVENESS_WINDOW_S, 3 * status.poll_period_s)
@@ -182,10 +183,8 @@ class SwarmView:
                     old = status
                     status = PeerStatus(PeerLoad(rec.peer_id, stage, rec.address, throughput=max(rec.throughput, 1e-3)))
                     if old is not None:  # moved or re-addressed: keep the ban history
-                        status.load.banned_until, status.load.total_failures = (
-                            old.load.banned_until,
-                            old.load.total_failures,
-                        )
+                        status.load.banned_until = old.load.banned_until
+                        status.load.total_failures = old.load.total_failures
                     self.peers[rec.peer_id] = status
                 status.record_state = PeerState(rec.state)
                 status.device = rec.device
@@ -249,8 +248,9 @@ class SwarmView:
                 timeout=self.info_timeout_s, wait_for_step=wait_for_step, wait_s=wait_s, accused=self.accused_hint(),
                 seen=seen,
             )  # fmt: skip
-        except grpc.aio.AioRpcError:
+        except grpc.aio.AioRpcError as e:
             status.info_failures += 1
+            status.refused = e.code() == grpc.StatusCode.UNAVAILABLE
             return False
         except Exception as e:  # noqa: BLE001
             logger.debug("info poll of %s failed: %s", status.load.address, e)
@@ -259,7 +259,7 @@ class SwarmView:
         if info.peer_id and info.peer_id != status.peer_id:
             status.info_failures += 1  # a different process now listens at that address
             return False
-        status.info_failures = 0
+        status.info_failures, status.refused = 0, False
         client.set_lane(info.lane_port)
         status.last_info_ok, status.info_asked = time.monotonic(), asked
         if info.poll_period_ms > 0:

@@ -44,6 +44,9 @@ FINGERPRINT_TOLERANCE = 1e-9  # relative; rounding noise is orders of magnitude 
 AGREE_WAIT_S = 3.0  # how long a frozen peer waits for its mates to freeze the same update
 AGREE_POLL_S = 0.02
 CONTRIBUTIONS_TIMEOUT_S = 5.0
+# a peer behind its stage that could download no mate's state tries again after this (the mates
+# refuse a host's state request within 1 s of its last, Limits.state_call_interval_s)
+BEHIND_RETRY_S = 1.0
 
 
 def fingerprints_agree(a: tuple[float, float], b: tuple[float, float], tol: float = FINGERPRINT_TOLERANCE) -> bool:
@@ -107,6 +110,7 @@ class StepCoordinator:
         self._last_total: tuple[int, int] = (-1, -1)
         self._last_change = time.monotonic()
         self._stall_reported = False
+        self._behind_retry_at = 0.0  # after a failed state download: not before this (monotonic)
 
     # ---- deciding ----
 
@@ -132,7 +136,7 @@ class StepCoordinator:
         step = ex.step  # the next update to apply; mates report their samples for theirs
         total = ex.samples_accumulated + sum(m.samples_accumulated for m in mates if m.step == step)
         if any(m.step > step for m in mates):
-            return UpdateReason.BEHIND
+            return UpdateReason.BEHIND if time.monotonic() >= self._behind_retry_at else None
         if self.mates.is_accused():
             return None  # its mates leave it out of their updates: it follows them (behind, above)
         if self.diverged_from() is not None:
@@ -161,6 +165,7 @@ class StepCoordinator:
         ex = self.executor
         if reason == UpdateReason.BEHIND:
             if not await self.mates.sync_from_mates():
+                self._behind_retry_at = time.monotonic() + BEHIND_RETRY_S
                 logger.warning("behind the stage at step %d, and no mate's state could be downloaded yet", ex.step)
             set_context(step=ex.step)
             return

@@ -2,6 +2,7 @@
 pollers, and a view that follows the period each peer asks for."""
 
 import asyncio
+import time
 
 import pytest
 
@@ -124,3 +125,35 @@ def test_poller_count_keeps_pollers_that_follow_a_long_period():
             now = rnd * 10.0 + i * 0.01
             n = count.seen(f"p{i}", now=now)
     assert n == 1000 and info_period(n, INFO_PERIOD_S) == pytest.approx(10.0)
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_refusing_connections_is_dead_at_once_and_a_silent_one_only_after_the_window():
+    """Real gRPC clients: a port nothing listens on (a killed peer) makes the peer not live at its
+    first failed poll, so its mates and trainers stop counting it then instead of LIVENESS_WINDOW_S
+    later; a peer that accepts the connection and never answers (SIGSTOPped) keeps the window."""
+    from swarm.wire.pool import ClientPool
+
+    async def go():
+        silent = await asyncio.start_server(lambda r, w: asyncio.sleep(0), "127.0.0.1", 0)  # holds, never answers
+        closed = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        closed_port = closed.sockets[0].getsockname()[1]
+        closed.close()
+        await closed.wait_closed()
+        pool = ClientPool()
+        view = SwarmView(dht=None, num_stages=1, clients=pool, info_timeout_s=0.5)
+        try:
+            for pid, port in (("dead", closed_port), ("stopped", silent.sockets[0].getsockname()[1])):
+                status = PeerStatus(PeerLoad(pid, 0, f"127.0.0.1:{port}"), record_state=PeerState.ONLINE)
+                status.last_info_ok = time.monotonic()  # answered a moment ago
+                view.peers[pid] = status
+                assert view.is_live(status)
+                assert not await view.poll_one(status)
+            assert view.peers["dead"].refused and not view.is_live(view.peers["dead"])
+            assert not view.peers["stopped"].refused and view.is_live(view.peers["stopped"])
+            assert [s.peer_id for s in view.stage_peers(0)] == ["stopped"]
+        finally:
+            await pool.close()
+            silent.close()
+
+    asyncio.run(go())

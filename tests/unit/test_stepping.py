@@ -298,3 +298,34 @@ def test_a_round_short_of_the_batch_fails_at_once_instead_of_waiting_for_mates_t
     monkeypatch.setattr(coord, "_mates_lists", mate_holding({"t0/0/4": Held(4, 7)}))  # the batch is held
     agreement = asyncio.run(coord._agree(frozen))
     assert agreement.samples == 8 and agreement.not_frozen == ["m"] and len(calls) > 1  # waited for m
+
+
+def test_a_peer_behind_whose_state_download_failed_waits_before_asking_again(mates, monkeypatch):
+    """A mate ahead that refuses the download (it serves a host's state at most once a second)
+    made the step loop ask again every 50 ms, each with a warning; now the next try waits
+    BEHIND_RETRY_S, then the peer asks again."""
+    import asyncio
+
+    from swarm.peer import stepping
+    from swarm.peer.stepping import UpdateReason
+
+    a, _ = mates
+    coord = _coordinator(a, "a")
+    ahead = type("Mate", (), {"step": 3, "samples_accumulated": 0})()
+    calls = []
+
+    async def refused(preferred=None) -> bool:
+        calls.append(preferred)
+        return False
+
+    coord.mates.live_mates = lambda: [ahead]
+    coord.mates.sync_from_mates = refused
+    clock = [100.0]
+    monkeypatch.setattr(stepping.time, "monotonic", lambda: clock[0])
+    assert coord.decide() == UpdateReason.BEHIND
+    asyncio.run(coord.run_update(UpdateReason.BEHIND))
+    assert len(calls) == 1
+    clock[0] += stepping.BEHIND_RETRY_S / 2
+    assert coord.decide() is None  # not again yet
+    clock[0] += stepping.BEHIND_RETRY_S / 2
+    assert coord.decide() == UpdateReason.BEHIND
