@@ -13,12 +13,19 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 from typing import IO
 
 from swarm.policy.ledger import contribution_id, samples_digest
 from swarm.policy.pacing import StepPacer
 from swarm.trainer.microbatch import Microbatch
 from swarm.training.data import ShardSampler
+
+# steps whose completed contributions the feed remembers (a step fed again is at most a step or two
+# behind the newest; the bound keeps the memory flat over a long run)
+COMPLETED_STEPS_KEPT = 16
+
+logger = logging.getLogger(__name__)
 
 
 class MicrobatchFeed:
@@ -30,6 +37,7 @@ class MicrobatchFeed:
         self.microbatch, self.steps, self.sample_log = microbatch, steps, sample_log
         self.retry: collections.deque[Microbatch] = collections.deque()
         self.running: set[str] = set()
+        self.completed: dict[int, set[str]] = {}  # step -> its contributions that completed here
 
     def next(self, global_step: int | None) -> Microbatch | None:
         """The next microbatch to start, or None while the staleness bound holds the trainer back."""
@@ -41,6 +49,8 @@ class MicrobatchFeed:
                 break
         else:
             return None
+        if offset == 0 and contribution_id(self.trainer_id, tag, 0) in self.completed.get(tag, ()):
+            logger.info("the swarm's step went back to %d: feeding it again (what completed repeats as checks)", tag)
         # the samples follow from the microbatch's place in this trainer's stream: the same after a
         # restart, so that a restarted trainer completes exactly what it had started
         indices = self.sampler.take(tag * self.pacer.share + offset, n)
@@ -59,3 +69,13 @@ class MicrobatchFeed:
     def finished(self, mb: Microbatch) -> None:
         """Done, or given up."""
         self.running.discard(mb.cid)
+
+    def first_completion(self, mb: Microbatch) -> bool:
+        """Record that `mb` completed; False if its contribution had completed before (its step was
+        fed again): its samples were counted then, and a repeat must not count them twice."""
+        done = self.completed.setdefault(mb.step_tag, set())
+        first = mb.cid not in done
+        done.add(mb.cid)
+        if len(self.completed) > COMPLETED_STEPS_KEPT:
+            del self.completed[min(self.completed)]
+        return first

@@ -242,8 +242,9 @@ class Trainer:
             except asyncio.CancelledError:
                 self.stats.microbatches_cancelled += 1
                 raise
-            self.stats.microbatches_completed += 1
-            self.stats.samples += mb.samples
+            if self.feed.first_completion(mb):  # a step fed again repeats what completed: counted once
+                self.stats.microbatches_completed += 1
+                self.stats.samples += mb.samples
             self.pacer.done(mb.step_tag, mb.samples)
             return True
         except MicrobatchRejected as e:

@@ -258,6 +258,8 @@ def test_a_peer_that_applies_an_update_and_dies_before_its_mate_has_its_sum_cost
     survivor = next(p for p in procs if p.ready["stage"] == 1)
     summaries = swarm.wait_trainers(timeout=300)
     assert all(s["steps"] == steps for s in summaries)
+    # samples counted once each, though the step that went back was fed again (swarm.trainer.feed)
+    assert sum(s["samples"] for s in summaries) == steps * B
     assert sum(s["replays"] for s in summaries) >= 1  # the victim's part of the update came back by replay
     assert '"event":"averaging_failed"' in survivor.log_path.read_text()
     assert_ledger_exact(swarm, str(tmp_path / "samples-*.jsonl"))

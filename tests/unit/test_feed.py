@@ -44,3 +44,28 @@ def test_a_microbatch_queued_again_comes_first_and_keeps_running():
     assert retried.cid == mb.cid and retried is not mb and mb.cid in feed.running
     feed.finished(retried)
     assert mb.cid not in feed.running
+
+
+def test_a_contribution_completed_again_after_its_step_was_fed_again_counts_once():
+    """The trainer counts a microbatch's samples when it completes; when the step was fed again, a
+    repeat of a completed contribution is not counted a second time, and the memory of completed
+    steps stays bounded."""
+    from swarm.trainer.feed import COMPLETED_STEPS_KEPT
+
+    feed = _feed()
+    step5 = [feed.next(5), feed.next(5)]
+    assert feed.first_completion(step5[0])
+    for mb in step5:
+        feed.finished(mb)
+    step6 = [feed.next(6), feed.next(6)]  # the swarm's step goes back to 5 with step 6 begun: 5 is fed again
+    repeat = feed.next(5)
+    assert repeat.cid == step5[0].cid and not feed.first_completion(repeat)  # counted before
+    assert feed.first_completion(feed.next(5))  # the other one had not completed: counted now
+    for mb in step6:
+        feed.finished(mb)
+    for step in range(7, 7 + 2 * COMPLETED_STEPS_KEPT):
+        for _ in range(2):
+            mb = feed.next(step)
+            assert feed.first_completion(mb)
+            feed.finished(mb)
+    assert len(feed.completed) <= COMPLETED_STEPS_KEPT
