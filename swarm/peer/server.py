@@ -64,8 +64,7 @@ STATUS_OF_ERROR: dict[type[BaseException], grpc.StatusCode] = {
     StepClosed: grpc.StatusCode.ABORTED,
     StageBehind: grpc.StatusCode.ABORTED,
 }
-
-
+STEP_RECHECK_S = 0.05  # an exact-mode request waiting for this peer's next step re-checks its deadline this often
 RETRY_KEY = "swarm-retry"  # trailing metadata of a RESOURCE_EXHAUSTED that is worth retrying (Overloaded)
 
 
@@ -187,7 +186,8 @@ class StageService:
         while executor.step < step:
             if time.monotonic() > deadline or self.serving.executor is not executor:
                 raise StepNotReady(f"peer is at step {executor.step}; the request is for step {step}")
-            await asyncio.sleep(0.005)  # the step changes on the compute thread; a poll is enough here
+            # woken by the apply (serving.notify_step); the short cap re-checks the deadline and a move
+            await self.serving.wait_for_step(step, STEP_RECHECK_S)
 
     def response(self, kind: str, msg, executor: StageExecutor, acc: dict, first, inline_data: bool | None = None):
         """The response message; the output's data inline unless streamed (or `inline_data` False)."""

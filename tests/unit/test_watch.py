@@ -168,3 +168,33 @@ def test_a_large_stage_is_polled_not_watched():
         await asyncio.gather(*watch._watches.values(), return_exceptions=True)
 
     asyncio.run(go())
+
+
+@pytest.mark.timeout(60)
+def test_an_exact_mode_request_waiting_for_the_next_step_is_released_by_the_apply(monkeypatch):
+    """A request for the step after this peer's waits (exact mode: its mate applied the update a
+    moment earlier); it goes on as soon as the update is applied here (the apply's notify_step wakes
+    it), and fails with StepNotReady after `step_wait_s` when the update never comes."""
+    from swarm.core.errors import StepNotReady
+    from swarm.peer import server
+
+    monkeypatch.setattr(server, "STEP_RECHECK_S", 10.0)  # only the apply's wake-up can release it in time
+    service, executor = _last_stage()
+    service.serving.step_wait_s = 20.0
+
+    async def go():
+        waiting = asyncio.ensure_future(service._wait_for_step(executor, 1))
+        await asyncio.sleep(0.1)
+        assert not waiting.done()
+        executor.step = 1  # what applying update 0 does, on the compute thread
+        service.serving.notify_step()
+        await asyncio.wait_for(waiting, 5.0)
+        service.serving.step_wait_s = 0.2
+        monkeypatch.setattr(server, "STEP_RECHECK_S", 0.05)
+        with pytest.raises(StepNotReady):
+            await service._wait_for_step(executor, 2)
+
+    try:
+        asyncio.run(go())
+    finally:
+        executor.stop()
