@@ -5,6 +5,7 @@ two transports cannot drift apart. Errors become the same status codes as over g
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 
 from swarm.core.errors import Overloaded
@@ -55,6 +56,7 @@ class LaneService:
 
     async def _answer(self, kind: str, segments: list[Buffer], streamed: bool) -> list:
         service = self.service
+        acc = {"streamed": streamed, "t0": time.monotonic()}
         request = StreamedRequest(kind, _each(segments), service.limits)
         msg = await request.read_header()
         executor, schema = service.serving.check_target(msg.run_id, msg.stage)
@@ -62,7 +64,6 @@ class LaneService:
         if not streamed and len(request.counts) != 1:
             raise WireError(f"a unary lane request comes in one part, not {len(request.counts)}")
         targets = decode_targets(msg, schema, batch, service.limits)
-        acc = {"streamed": streamed}
         out, first = [], None
         async for enc in service.compute(kind, msg, executor, schema, targets, request.parts(), acc):
             first = first or enc

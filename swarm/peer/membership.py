@@ -199,7 +199,7 @@ class Membership:
             built,
             run.optim,
             self.device,
-            max_batch_samples=max(run.max_batch, run.microbatch),
+            max_batch_samples=run.microbatch,  # microbatches one at a time (swarm.peer.executor.thread)
             predict_params=run.sync == SyncMode.ASYNC and run.predict_params,
             prior_samples=max(1, run.global_batch // 4),
             ledger=StageLedger(stage, self._ledger_path(stage)),

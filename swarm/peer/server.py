@@ -194,6 +194,7 @@ class StageService:
         cls = pb.ForwardResponse if kind == "forward" else pb.BackwardResponse
         response = cls(request_id=msg.request_id, peer_step=executor.step, compute_s=acc.get("compute_s", 0.0))
         response.params_step, response.predicted = acc.get("params", (executor.step, False))
+        response.peer_s = time.monotonic() - acc.get("t0", time.monotonic())  # queue, compute and handling here
         if "loss_sum" in acc:
             response.loss = acc["loss_sum"] / max(1, acc["samples"])
         if kind == "backward":
@@ -223,6 +224,7 @@ class StageService:
             self.serving.in_flight -= 1
 
     async def _unary_admitted(self, kind: str, raw: bytes) -> bytes:
+        acc = {"streamed": False, "t0": time.monotonic()}
         msg = messages.parse(pb.ForwardRequest if kind == "forward" else pb.BackwardRequest, raw)
         executor, schema = self.serving.check_target(msg.run_id, msg.stage)
         if not msg.HasField("input"):
@@ -238,7 +240,6 @@ class StageService:
         async def one_part():
             yield x.shape[0], x, grad
 
-        acc = {"streamed": False}
         encoded = [e async for e in self.compute(kind, msg, executor, schema, targets, one_part(), acc)]
         return self.response(kind, msg, executor, acc, encoded[0] if encoded else None).SerializeToString()
 
@@ -254,7 +255,7 @@ class StageService:
             executor, schema = self.serving.check_target(msg.run_id, msg.stage)
             batch = request.check_tensors(schema)
             targets = decode_targets(msg, schema, batch, self.limits)
-            acc = {"streamed": True}
+            acc = {"streamed": True, "t0": time.monotonic()}
             first_out = None
             async for enc in self.compute(kind, msg, executor, schema, targets, request.parts(), acc):
                 first_out = first_out or enc

@@ -40,20 +40,27 @@ class Stats:
     losses_by_step: dict[int, list[tuple[float, int]]] = field(default_factory=lambda: collections.defaultdict(list))
     val_losses: list[tuple[int, float]] = field(default_factory=list)
     # "forward 0", "backward 2"...: [answered calls, seconds from send to answer, the peers' compute
-    # seconds they reported]: the difference is queueing at the peer, transfers and scheduling
+    # seconds and seconds at the peer they reported]: elapsed - at the peer is transfers and both
+    # processes' scheduling; at the peer - compute is its queue and handling
     call_times: dict[str, list[float]] = field(default_factory=dict)
 
-    def count_call(self, kind: str, stage: int, elapsed_s: float, compute_s: float) -> None:
-        times = self.call_times.setdefault(f"{kind} {stage}", [0, 0.0, 0.0])
+    def count_call(self, kind: str, stage: int, elapsed_s: float, compute_s: float, peer_s: float = 0.0) -> None:
+        times = self.call_times.setdefault(f"{kind} {stage}", [0, 0.0, 0.0, 0.0])
         times[0] += 1
         times[1] += elapsed_s
         times[2] += compute_s
+        times[3] += peer_s
 
     def call_ms(self) -> dict[str, dict[str, float]]:
-        """Per kind and stage: calls, and the mean milliseconds from send to answer and of compute."""
+        """Per kind and stage: calls, and the mean milliseconds from send to answer, at the peer and of compute."""
         return {
-            key: {"calls": int(n), "elapsed_ms": round(1000 * t / n, 2), "compute_ms": round(1000 * c / n, 2)}
-            for key, (n, t, c) in sorted(self.call_times.items())
+            key: {
+                "calls": int(n),
+                "elapsed_ms": round(1000 * t / n, 2),
+                "peer_ms": round(1000 * p / n, 2),
+                "compute_ms": round(1000 * c / n, 2),
+            }  # fmt: skip
+            for key, (n, t, c, p) in sorted(self.call_times.items())
             if n
         }
 

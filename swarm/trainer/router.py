@@ -181,7 +181,8 @@ class Router:
             self.wiring.on_success(peer)
             self.stats.calls_by_peer[peer.peer_id] += 1
             elapsed = time.monotonic() - started
-            self.stats.count_call(kind, stage, elapsed, float(getattr(response, "compute_s", 0.0)))
+            at_peer = float(getattr(response, "peer_s", 0.0))
+            self.stats.count_call(kind, stage, elapsed, float(getattr(response, "compute_s", 0.0)), at_peer)
             if alone and elapsed > 0:
                 self._measure(peer, kind, stage, samples, elapsed)
             return response, output, peer
