@@ -45,17 +45,18 @@ class MicrobatchFeed:
             return self.retry.popleft()
         while (taken := self.pacer.take(global_step or 0, self.microbatch, self.steps)) is not None:
             tag, offset, n = taken
-            if contribution_id(self.trainer_id, tag, offset) not in self.running:
+            cid = contribution_id(self.trainer_id, tag, offset)
+            if cid not in self.running:
                 break
         else:
             return None
-        if offset == 0 and contribution_id(self.trainer_id, tag, 0) in self.completed.get(tag, ()):
+        if offset == 0 and cid in self.completed.get(tag, ()):
             logger.info("the swarm's step went back to %d: feeding it again (what completed repeats as checks)", tag)
         # the samples follow from the microbatch's place in this trainer's stream: the same after a
         # restart, so that a restarted trainer completes exactly what it had started
         indices = self.sampler.take(tag * self.pacer.share + offset, n)
         x, y = self.dataset.train(indices)
-        mb = Microbatch(contribution_id(self.trainer_id, tag, offset), indices, x, y, tag, samples_digest(indices))
+        mb = Microbatch(cid, indices, x, y, tag, samples_digest(indices))
         self.running.add(mb.cid)
         if self.sample_log is not None:
             self.sample_log.write(json.dumps({"cid": mb.cid, "step": tag, "indices": indices}) + "\n")

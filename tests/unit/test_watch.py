@@ -4,45 +4,14 @@ answered when a backward is accumulated, and the view side that keeps one per ma
 import asyncio
 
 import pytest
-import torch
 
 from swarm.cluster.view import PeerStatus, SwarmView
 from swarm.cluster.watch import MateWatch
 from swarm.core.states import PeerState
-from swarm.peer.executor import StageExecutor
-from swarm.peer.server import StageService
-from swarm.peer.serving import Limits, ServingState
 from swarm.policy.polling import WATCH_MAX_MATES
 from swarm.policy.wiring import PeerLoad
-from swarm.training.config import OptimConfig
-from swarm.training.models import build_stage
-from swarm.wire import codec
 from swarm.wire.protocol import pb
-
-SPEC = {"kind": "gpt", "vocab_size": 64, "seq_len": 8, "d_model": 16, "n_layers": 2, "n_heads": 2, "d_ff": 32}
-
-
-class _Context:
-    def peer(self) -> str:
-        return "ipv4:127.0.0.1:40000"
-
-    async def abort(self, code, details="", trailing_metadata=()):
-        raise AssertionError(f"{code}: {details}")
-
-
-def _last_stage() -> tuple[StageService, StageExecutor]:
-    built = build_stage(SPEC, 1, 2)
-    executor = StageExecutor(built, OptimConfig(), max_batch_samples=16)
-    serving = ServingState("run", "peer", "0")
-    serving.stage, serving.state, serving.executor, serving.schema = 1, PeerState.ONLINE, executor, built.schema
-    return StageService(serving, Limits()), executor
-
-
-def _backward(n: int) -> bytes:
-    request = pb.BackwardRequest(request_id="b", run_id="run", stage=1, step=0, num_samples=n, contribution_id="t0/0/0")
-    request.input.CopyFrom(codec.tensor_to_proto(torch.randn(n, SPEC["seq_len"], SPEC["d_model"])))
-    request.targets.CopyFrom(codec.tensor_to_proto(torch.randint(0, SPEC["vocab_size"], (n, SPEC["seq_len"]))))
-    return request.SerializeToString()
+from tests.unit.stage_service import Context, backward_request, last_stage
 
 
 def _watch(step: int, samples: int, wait_ms: int) -> bytes:
@@ -54,8 +23,8 @@ def test_a_watch_is_answered_when_a_backward_is_accumulated():
     """A real StageService and executor: a watch that has seen (step 0, 0 samples) waits while nothing
     changes, is answered the moment a backward is accumulated (not after its 5 s), and a watch whose
     view is stale is answered at once."""
-    service, executor = _last_stage()
-    ctx = _Context()
+    service, executor = last_stage()
+    ctx = Context()
 
     async def go():
         loop = asyncio.get_running_loop()
@@ -65,7 +34,7 @@ def test_a_watch_is_answered_when_a_backward_is_accumulated():
         await asyncio.sleep(0.2)
         assert not waiting.done(), "nothing changed: the watch is held"
         t0 = loop.time()
-        await service.backward(_backward(3), ctx)
+        await service.backward(backward_request(3), ctx)
         answer = pb.InfoResponse.FromString(await asyncio.wait_for(waiting, 2.0))
         assert answer.samples_accumulated == 3 and loop.time() - t0 < 2.0
         t0 = loop.time()
@@ -179,7 +148,7 @@ def test_an_exact_mode_request_waiting_for_the_next_step_is_released_by_the_appl
     from swarm.peer import server
 
     monkeypatch.setattr(server, "STEP_RECHECK_S", 10.0)  # only the apply's wake-up can release it in time
-    service, executor = _last_stage()
+    service, executor = last_stage()
     service.serving.step_wait_s = 20.0
 
     async def go():
