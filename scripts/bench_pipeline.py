@@ -15,6 +15,12 @@ summary figure (which includes its first steps) is reported beside it.
 
     .venv/bin/python scripts/bench_pipeline.py            # default GPT, 3 stages (about 4 minutes on 2 cores)
     .venv/bin/python scripts/bench_pipeline.py --quick --json
+    .venv/bin/python scripts/bench_pipeline.py --rounds 3 --json   # medians of 3 side-by-side rounds
+
+This machine's speed drifts by 10-30% within an hour, so one torch window and one swarm window
+minutes apart give a ratio that moves by about 0.1 between runs. `--rounds N` repeats torch and
+the swarm's one-peer-per-stage runs N times, alternating which side goes first (ABBA), and reports
+the median of the rounds' ratios beside every round's figures.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import os
 import platform
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -68,6 +75,7 @@ class BenchConfig:
     log_dir: str | None = None
     quick: bool = False
     stall_s: float = 120.0
+    rounds: int = 1
 
     @property
     def microbatches(self) -> int:
@@ -579,6 +587,13 @@ def make_parser() -> argparse.ArgumentParser:
         help="swarm sync modes for 1 peer/stage, comma-separated; the best one is used for the ratio "
         "and for 2 peers/stage (default exact,async; exact with --quick)",
     )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="repeat torch and the swarm's 1-peer/stage runs this many times, alternating which side goes "
+        "first; the figures are the medians of the rounds' (default 1; not with --quick)",
+    )
     p.add_argument("--skip-torch", action="store_true", help="swarm side only (ratio is then absent)")
     p.add_argument("--skip-swarm", action="store_true", help="torch side only")
     p.add_argument("--log-dir", help="swarm process logs go under this folder (default: a temporary folder)")
@@ -602,6 +617,8 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
     modes = [m.strip() for m in (args.sync or ("exact" if quick else "exact,async")).split(",")]
     if not modes or any(m not in ("exact", "async") for m in modes):
         raise SystemExit("--sync must list exact and/or async")
+    if args.rounds < 1 or (quick and args.rounds > 1):
+        raise SystemExit("--rounds must be at least 1 (and 1 with --quick)")
     return BenchConfig(
         model=model,
         stages=args.stages,
@@ -617,64 +634,96 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         log_dir=args.log_dir,
         quick=quick,
         stall_s=args.stall_timeout,
+        rounds=args.rounds,
     )
+
+
+def _round_figures(torch_rows: list[Result], ones: list[Result]) -> dict:
+    """One round's samples/s and ratios (the ratio of each sync mode to the faster torch schedule)."""
+    out = {f"torch_{n}_samples_per_s": r.samples_per_s for n, r in zip(SCHEDULES, torch_rows, strict=False)}
+    out |= {f"swarm_{r.extra['sync']}_samples_per_s": r.samples_per_s for r in ones}
+    best = max((r.samples_per_s for r in torch_rows), default=0.0)
+    if best > 0:
+        out |= {f"ratio_{r.extra['sync']}_vs_torch_best": r.samples_per_s / best for r in ones}
+    return out
+
+
+def _median_figures(rounds: list[dict]) -> dict:
+    """Every figure's median over the rounds (with one round: that round's figures)."""
+    return {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
 
 
 def run_all(cfg: BenchConfig, skip_torch: bool, skip_swarm: bool, log_root: Path) -> tuple[list[Result], dict]:
     torch_rows: list[Result] = []
     figures: dict = {}
 
-    def torch_side() -> None:
-        for name, r in zip(SCHEDULES, run_torch(cfg, list(SCHEDULES)), strict=True):
-            torch_rows.append(r)
-            figures[f"torch_{name}_samples_per_s"] = r.samples_per_s
+    def torch_side() -> list[Result]:
+        rows = run_torch(cfg, list(SCHEDULES))
+        torch_rows.extend(rows)
+        return rows
 
-    swarm_rows: list[Result] = []
     if skip_swarm:
-        torch_side()
+        for _ in range(cfg.rounds):
+            torch_side()
+        figures |= _median_figures([_round_figures(torch_rows[i : i + 2], []) for i in range(0, len(torch_rows), 2)])
+        figures["processes"] = {"torch": cfg.stages}
+        return torch_rows, figures
+    ones: list[Result] = []
+    rounds: list[dict] = []
+    if cfg.quick:
+        # Process start-up is the slow part on a small machine: one swarm, grown from 1 to 2 peers per
+        # stage, whose first peers start while the torch side runs. Quick figures only show it all works.
+        rs = run_swarm(cfg, cfg.sync_modes[0], [1, 2], log_root, None if skip_torch else torch_side)
+        ones.append(rs[0])
+        two = rs[1]
+        for mode in cfg.sync_modes[1:]:
+            ones += run_swarm(cfg, mode, [1], log_root)
+        rounds.append(_round_figures(torch_rows, ones))
     else:
-        ones: list[Result] = []
-        if cfg.quick:
-            # Process start-up is the slow part on a small machine: one swarm, grown from 1 to 2 peers per
-            # stage, whose first peers start while the torch side runs. Quick figures only show it all works.
-            rs = run_swarm(cfg, cfg.sync_modes[0], [1, 2], log_root, None if skip_torch else torch_side)
-            ones.append(rs[0])
-            two = rs[1]
-            for mode in cfg.sync_modes[1:]:
-                ones += run_swarm(cfg, mode, [1], log_root)
-        else:
-            if not skip_torch:
-                torch_side()
-            for mode in cfg.sync_modes:
-                ones += run_swarm(cfg, mode, [1], log_root)
-        best = max(ones, key=lambda r: r.samples_per_s)
-        if not cfg.quick:
-            two = run_swarm(cfg, best.extra["sync"], [2], log_root)[0]
-        swarm_rows = ones + [two]
-        best.note = "best: used for the ratio"
-        figures["swarm_samples_per_s"] = best.samples_per_s
-        figures["swarm_sync"] = best.extra["sync"]
-        for r in ones:
-            figures[f"swarm_{r.extra['sync']}_samples_per_s"] = r.samples_per_s
-        figures["swarm_2x_samples_per_s"] = two.samples_per_s
-        figures["update_timeline"] = {
-            f"{r.extra['sync']}_{r.extra['peers_per_stage']}x": r.extra["update_timeline"] for r in swarm_rows
-        }
-        figures["activation_hit_rate"] = {
-            f"{r.extra['sync']}_{r.extra['peers_per_stage']}x": r.extra["activation_hit_rate"] for r in swarm_rows
-        }
-        figures["swarm_2x_sync"] = two.extra["sync"]
+        for index in range(cfg.rounds):
+            torch_first = index % 2 == 0  # ABBA: drift of the machine's speed cancels out of the medians
+            if cfg.rounds > 1:
+                log(f"round {index + 1} of {cfg.rounds} ({'torch' if torch_first else 'the swarm'} first)")
+            round_torch = torch_side() if torch_first and not skip_torch else []
+            round_ones = [r for mode in cfg.sync_modes for r in run_swarm(cfg, mode, [1], log_root)]
+            if not torch_first and not skip_torch:
+                round_torch = torch_side()
+            for r in round_torch + round_ones:
+                r.extra["round"] = index + 1
+                if cfg.rounds > 1:
+                    r.name += f" #{index + 1}"
+            ones += round_ones
+            rounds.append(_round_figures(round_torch, round_ones))
+    figures |= _median_figures(rounds)
+    if cfg.rounds > 1:
+        figures["rounds"] = rounds
+    modes = [m for m in cfg.sync_modes if f"swarm_{m}_samples_per_s" in figures]
+    best_mode = max(modes, key=lambda m: figures[f"swarm_{m}_samples_per_s"])
+    for r in ones:
+        if r.extra["sync"] == best_mode and (cfg.rounds == 1 or r.extra.get("round") == cfg.rounds):
+            r.note = "best: used for the ratio" if cfg.rounds == 1 else "best mode (ratios: medians of the rounds)"
+    if not cfg.quick:
+        two = run_swarm(cfg, best_mode, [2], log_root)[0]
+    swarm_rows = ones + [two]
+    figures["swarm_samples_per_s"] = figures[f"swarm_{best_mode}_samples_per_s"]
+    figures["swarm_sync"] = best_mode
+    figures["swarm_2x_samples_per_s"] = two.samples_per_s
+    figures["swarm_2x_sync"] = two.extra["sync"]
+    last = {r.extra["sync"]: r for r in ones} | {"2x": two}  # the timeline and hit rates of each mode's last run
+    figures["update_timeline"] = {
+        f"{r.extra['sync']}_{r.extra['peers_per_stage']}x": r.extra["update_timeline"] for r in last.values()
+    }
+    figures["activation_hit_rate"] = {
+        f"{r.extra['sync']}_{r.extra['peers_per_stage']}x": r.extra["activation_hit_rate"] for r in last.values()
+    }
     torch_best = max((figures.get(f"torch_{n}_samples_per_s", 0.0) for n in SCHEDULES), default=0.0)
-    if "swarm_samples_per_s" in figures and torch_best > 0:
-        figures["ratio_vs_torch_best"] = figures["swarm_samples_per_s"] / torch_best
-        figures["ratio_2x_vs_torch_best"] = figures["swarm_2x_samples_per_s"] / torch_best
+    if f"ratio_{best_mode}_vs_torch_best" in figures and torch_best > 0:
         # like for like: exact mode (a synchronous step, as GPipe and 1F1B take) is the headline; async
         # overlaps step boundaries, which torch's schedules do not
-        for mode in ("exact", "async"):
-            if f"swarm_{mode}_samples_per_s" in figures:
-                figures[f"ratio_{mode}_vs_torch_best"] = figures[f"swarm_{mode}_samples_per_s"] / torch_best
+        figures["ratio_vs_torch_best"] = figures[f"ratio_{best_mode}_vs_torch_best"]
+        figures["ratio_2x_vs_torch_best"] = figures["swarm_2x_samples_per_s"] / torch_best
     figures["processes"] = {"torch": cfg.stages} | {
-        f"swarm_{r.extra['sync']}_{r.extra['peers_per_stage']}x": r.extra["processes"] for r in swarm_rows
+        f"swarm_{r.extra['sync']}_{r.extra['peers_per_stage']}x": r.extra["processes"] for r in last.values()
     }
     return torch_rows + swarm_rows, figures
 
@@ -702,8 +751,12 @@ def print_table(cfg: BenchConfig, rows: list[Result], figures: dict, wall_s: flo
         file=out,
     )
     torch_best = max((figures.get(f"torch_{n}_samples_per_s", 0.0) for n in SCHEDULES), default=0.0)
+    rounds = figures.get("rounds") or []
     for r in rows:
-        rel = f"{r.samples_per_s / torch_best:.2f}" if torch_best else "-"
+        best = torch_best  # a round's rows against that round's torch
+        if rounds and "round" in r.extra:
+            best = max(rounds[r.extra["round"] - 1].get(f"torch_{n}_samples_per_s", 0.0) for n in SCHEDULES)
+        rel = f"{r.samples_per_s / best:.2f}" if best else "-"
         note = r.note
         if "summary_samples_per_s" in r.extra:
             note = (note + "; " if note else "") + f"trainer summary {r.extra['summary_samples_per_s']:.1f} samples/s"
@@ -730,7 +783,10 @@ def print_table(cfg: BenchConfig, rows: list[Result], figures: dict, wall_s: flo
     for mode, target in targets.items():
         if f"ratio_{mode}_vs_torch_best" in figures:
             ratio = figures[f"ratio_{mode}_vs_torch_best"]
-            print(f"ratio_{mode}_vs_torch_best = {ratio:.3f} (1 peer/stage; target >= {target})", file=out)
+            each = ""
+            if rounds:
+                each = "; median of rounds " + " / ".join(f"{x[f'ratio_{mode}_vs_torch_best']:.3f}" for x in rounds)
+            print(f"ratio_{mode}_vs_torch_best = {ratio:.3f} (1 peer/stage; target >= {target}{each})", file=out)
     if "ratio_2x_vs_torch_best" in figures:
         ratio = figures["ratio_2x_vs_torch_best"]
         print(f"2 peers/stage ({figures['swarm_2x_sync']}): {ratio:.3f} of torch's best", file=out)
