@@ -31,3 +31,11 @@ def test_microbatches_run_one_at_a_time_in_order_and_smaller_requests_merge_up_t
     assert _order(halves) == [["b0", "b1"], ["b2", "b3"]]
     steps = [_task(FORWARD, 3, "f3", n=4), _task(FORWARD, 4, "f4", n=4), _task(CALL, 0, "call")]
     assert _order(steps) == [["f3"], ["f4"], ["call"]]  # different steps never share a batch
+
+
+def test_nothing_queued_after_a_function_call_is_merged_ahead_of_it():
+    tasks = [_task(BACKWARD, 3, "b0", n=4), _task(CALL, 0, "freeze"), _task(BACKWARD, 3, "b1", n=4)]
+    assert _order(tasks) == [["b0"], ["freeze"], ["b1"]]
+    tasks = [_task(BACKWARD, 3, "b0", n=2), _task(BACKWARD, 3, "b1", n=2), _task(CALL, 0, "apply")]
+    tasks.append(_task(BACKWARD, 3, "b2", n=2))
+    assert _order(tasks) == [["b0", "b1"], ["apply"], ["b2"]]

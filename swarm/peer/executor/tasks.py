@@ -75,13 +75,17 @@ class BackwardResult:
 
 def take_batch(queue: collections.deque[Task], max_samples: int, is_duplicate: Callable[[Task], bool]) -> list[Task]:
     """Pop the first task and every later one that can share its batch: same kind, shapes and target
-    update, within `max_samples`. A function call or a duplicate Backward runs alone."""
+    update, within `max_samples`. A function call or a duplicate Backward runs alone, and nothing
+    queued after a function call joins a batch ahead of it (a call may freeze or apply an update: a
+    request submitted after it must see its effect)."""
     first = queue.popleft()
     if first.kind == CALL or is_duplicate(first):
         return [first]
     batch, total, key = [first], first.size, first.batch_key()
     keep: list[Task] = []
     while queue and total < max_samples:
+        if queue[0].kind == CALL:
+            break
         task = queue.popleft()
         fits = total + task.size <= max_samples
         if task.kind != CALL and fits and task.batch_key() == key and not is_duplicate(task):
