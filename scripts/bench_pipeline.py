@@ -663,9 +663,7 @@ def run_all(cfg: BenchConfig, skip_torch: bool, skip_swarm: bool, log_root: Path
         return rows
 
     if skip_swarm:
-        for _ in range(cfg.rounds):
-            torch_side()
-        figures |= _median_figures([_round_figures(torch_rows[i : i + 2], []) for i in range(0, len(torch_rows), 2)])
+        figures |= _median_figures([_round_figures(torch_side(), []) for _ in range(cfg.rounds)])
         figures["processes"] = {"torch": cfg.stages}
         return torch_rows, figures
     ones: list[Result] = []

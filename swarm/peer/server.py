@@ -194,7 +194,7 @@ class StageService:
         cls = pb.ForwardResponse if kind == "forward" else pb.BackwardResponse
         response = cls(request_id=msg.request_id, peer_step=executor.step, compute_s=acc.get("compute_s", 0.0))
         response.params_step, response.predicted = acc.get("params", (executor.step, False))
-        response.peer_s = time.monotonic() - acc.get("t0", time.monotonic())  # queue, compute and handling here
+        response.peer_s = time.monotonic() - acc["t0"]  # queue, compute and handling here
         if "loss_sum" in acc:
             response.loss = acc["loss_sum"] / max(1, acc["samples"])
         if kind == "backward":

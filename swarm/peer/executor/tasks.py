@@ -88,7 +88,7 @@ def take_batch(queue: collections.deque[Task], max_samples: int, is_duplicate: C
             break
         task = queue.popleft()
         fits = total + task.size <= max_samples
-        if task.kind != CALL and fits and task.batch_key() == key and not is_duplicate(task):
+        if fits and task.batch_key() == key and not is_duplicate(task):
             batch.append(task)
             total += task.size
         else:

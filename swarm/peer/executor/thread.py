@@ -11,8 +11,8 @@ Queued tasks of one kind and shape are merged into one batch up to `max_batch_sa
 that to the run's microbatch, so whole microbatches are computed one at a time: merged, the first
 one's answer waited for the others' compute and the next stage sat idle meanwhile (1 peer per stage:
 exact 112.6 / 130.4 samples/s against 155.7 / 140.6 one at a time, async 97.4 / 107.3 against
-148.8 / 160.2; docs/BENCHMARKS.md). A larger microbatch
-is the knob for a device that wants larger batches: it keeps the pipeline's overlap.
+148.8 / 160.2; docs/BENCHMARKS.md). A larger microbatch is the knob for a device that wants
+larger batches: it keeps the pipeline's overlap.
 """
 
 from __future__ import annotations
