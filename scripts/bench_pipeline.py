@@ -7,11 +7,12 @@ pipeline schedules (ScheduleGPipe and Schedule1F1B over gloo) on the same cores,
 peer per stage buys back.
 
 Both sides: S stage processes with `--threads` torch threads each, stage k built by
-swarm.training.models.build_stage(spec, k, S), global batch B in microbatches of size b, AdamW with per-stage
-gradient clipping, fp32 activations and gradients (swarm codec "none"). Samples/s are measured over
-a timed window after warm-up steps: on the torch side between barriers, on the swarm side from the
-times at which the trainer reported each new global step (`steps * B / seconds`); the trainer's own
-summary figure (which includes its first steps) is reported beside it.
+swarm.training.models.build_stage(spec, k, S), global batch B in microbatches of size b, the swarm's
+AdamW (swarm.training.optim.build_optimizer) with per-stage gradient clipping, fp32 activations and
+gradients (swarm codec "none"). Samples/s are measured over a timed window after warm-up steps: on
+the torch side between barriers, on the swarm side from the times at which the trainer reported each
+new global step (`steps * B / seconds`); the trainer's own summary figure (which includes its first
+steps) is reported beside it.
 
     .venv/bin/python scripts/bench_pipeline.py            # default GPT, 3 stages (about 4 minutes on 2 cores)
     .venv/bin/python scripts/bench_pipeline.py --quick --json
@@ -151,7 +152,9 @@ def _torch_measure(rank: int, cfg: BenchConfig, schedule_name: str) -> dict:
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+    from swarm.training.config import OptimConfig
     from swarm.training.models import build_stage
+    from swarm.training.optim import build_optimizer
 
     S, B, b = cfg.stages, cfg.global_batch, cfg.microbatch
     device = torch.device(cfg.device)
@@ -171,7 +174,8 @@ def _torch_measure(rank: int, cfg: BenchConfig, schedule_name: str) -> dict:
     cls = ScheduleGPipe if schedule_name == "gpipe" else Schedule1F1B
     schedule = cls(stage, n_microbatches=cfg.microbatches, loss_fn=lm_loss)  # scale_grads: mean over B
     params = [p for p in module.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, foreach=False)
+    # the swarm's own optimizer (fused AdamW where torch has the kernel), with the same settings
+    optimizer = build_optimizer(module, OptimConfig(lr=cfg.lr, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0))
     gen = torch.Generator().manual_seed(cfg.seed)
     tokens = torch.randint(0, V, (B, T + 1), generator=gen)  # every rank draws the same batch
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()

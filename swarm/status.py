@@ -7,7 +7,8 @@ import json
 import sys
 
 from swarm.cluster.authority import join_run
-from swarm.cluster.view import SwarmView, fallback_totals
+from swarm.cluster.fallbacks import fallback_totals
+from swarm.cluster.view import SwarmView
 from swarm.core.states import PeerState
 from swarm.dht.node import SwarmDHT
 from swarm.dht.records import newest_events

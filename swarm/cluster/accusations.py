@@ -7,7 +7,8 @@ every Info answer names those its peer knows (`InfoResponse.accused`). A peer to
 stage (itself included) that it does not know accused reads the accusations at once, and its next
 update waits for that read (swarm.peer.stepping), so the accused is left out of it; a trainer told of
 any peer it does not know accused reads them at once and stops sending it work. Every view re-reads
-them with the stage records every 2 s besides: a hint lost with its sender costs at most that. A hint
+them with the stage records besides (every 2 s, or 6 s while nothing changes: swarm.cluster.dht_reads):
+a hint lost with its sender costs at most that. A hint
 is only a reason to read; what counts is the trainer-signed record the DHT returns.
 
 Reading before every update (a DHT get per update per peer) and every 0.5 s in each trainer was the

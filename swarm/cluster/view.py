@@ -1,6 +1,7 @@
 """A process's live view of the swarm: who serves which stage, how fast, at which step.
 
-Two sources, merged: the DHT stage records (discovery, refreshed every couple of seconds) and direct
+Two sources, merged: the DHT stage records (discovery, re-read every couple of seconds while they
+change, less often while they do not: swarm.cluster.dht_reads) and direct
 `Info` polls of each known peer over gRPC (fresh step, queue and accumulator state, and liveness:
 a peer that stops answering is dropped from wiring within `dead_after` seconds, before its DHT
 record expires).
@@ -9,7 +10,6 @@ record expires).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from swarm.cluster.accusations import MAX_HINT_IDS, AccusationReads
+from swarm.cluster.dht_reads import DhtReads, signature
+from swarm.cluster.fallbacks import fallbacks_of
 from swarm.cluster.watch import MateWatch
 from swarm.core.settings import DHT_REFRESH_S, INFO_PERIOD_S, INFO_TIMEOUT_S, LIVENESS_WINDOW_S
 from swarm.core.states import PeerState
@@ -62,25 +64,6 @@ class PeerStatus:
         return self.load.stage
 
 
-def _fallbacks_of(text: str) -> dict[str, int]:
-    try:
-        value = json.loads(text) if text else {}
-    except ValueError:
-        return {}
-    if not isinstance(value, dict):
-        return {}
-    return {str(k): int(v) for k, v in value.items() if isinstance(v, int) and not isinstance(v, bool)}
-
-
-def fallback_totals(statuses) -> dict[str, int]:
-    """The fallbacks every peer in `statuses` reported, summed by kind."""
-    totals: dict[str, int] = {}
-    for s in statuses:
-        for kind, n in s.fallbacks.items():
-            totals[kind] = totals.get(kind, 0) + n
-    return totals
-
-
 def _state_of(text: str) -> PeerState:
     """A state a peer reports in Info; an unknown one (a newer peer) counts as not serving."""
     try:
@@ -110,6 +93,7 @@ class SwarmView:
         self.dht_ok = False
         self.offline_seen: set[str] = set()
         self._dht_call: asyncio.Future | None = None
+        self.dht_reads = DhtReads()  # when the next DHT read is due, or asked for
         self.poll_stages: set[int] | None = None
         self.watched: set[str] = set()  # peers a MateWatch keeps fresh: the periodic polls skip them
         self.watch: MateWatch | None = None
@@ -203,8 +187,10 @@ class SwarmView:
         loop = asyncio.get_running_loop()
         # shielded: a cancelled refresh still finishes its (deadline-bound) DHT call before the DHT
         # can be shut down, so no thread is left waiting on a dead DHT process
+        self.dht_reads.begin()
         self._dht_call = loop.run_in_executor(None, self._read_dht)
         records, accusations = await asyncio.shield(self._dht_call)
+        self.dht_reads.after(signature(records, accusations))
         self.apply_records(records)
         self.apply_accusations(accusations)
         self.dht_ok = True
@@ -275,10 +261,12 @@ class SwarmView:
         status.note = info.note
         if info.accused and self.hinted_reads is not None:
             self.hinted_reads.hint(info.accused)
-        status.fallbacks = _fallbacks_of(info.fallbacks)
+        status.fallbacks = fallbacks_of(info.fallbacks)
         status.load.reported_queue = float(info.queue_length)
-        # Info is fresher than the DHT record; a peer that moved waits for its new record.
+        # Info is fresher than the DHT record; a peer that moved waits for its new record (read soon)
         status.record_state = _state_of(info.state) if info.stage == status.stage else PeerState.OFFLINE
+        if info.stage != status.stage:
+            self.dht_reads.want()
         if info.throughput > 0:
             status.load.throughput = info.throughput
         return True
@@ -351,7 +339,7 @@ class SwarmView:
             # replicas serve a bounded number of reads (readers: the peers known; trainers are few)
             known = len(self.peers)
             record_bytes = known / max(1, self.num_stages) * DHT_ENTRY_BYTES
-            await asyncio.sleep(dht_period(known, record_bytes, self.dht_period_s))
+            await self.dht_reads.wait(dht_period(known, record_bytes, self.dht_period_s))
 
     async def _info_loop(self) -> None:
         while True:
@@ -390,7 +378,9 @@ class SwarmView:
                 pass
 
     async def wait_changed(self, timeout: float) -> None:
+        """Until the view changes (at most `timeout`); the caller misses a peer: the DHT is read soon."""
         self.changed.clear()
+        self.dht_reads.want()
         try:
             # asyncio.timeout, not wait_for: in Python 3.11 wait_for can swallow a cancellation that
             # arrives as the wait ends, and a cancelled microbatch task would then go on

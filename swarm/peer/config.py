@@ -39,8 +39,8 @@ class PeerConfig:
     )
     device: str = setting("auto", "auto (CUDA when present, else CPU), cpu, cuda, cuda:N")
     threads: int = setting(0, "torch intra-op threads (0: torch's default)")
-    announce_period_s: float = setting(2.0, "seconds between DHT record refreshes")
-    record_ttl_s: float = setting(8.0, "seconds a DHT record lives without refresh")
+    announce_period_s: float = setting(5.0, "seconds between DHT record refreshes (a state change is stored at once)")
+    record_ttl_s: float = setting(15.0, "seconds a DHT record lives without refresh")
     # a backward accumulated here, a round of Info polls and a mate's freeze wake the check at once:
     # this period is only its fallback
     step_poll_s: float = setting(0.25, "seconds between checks whether the stage's pending update is due", cli=False)

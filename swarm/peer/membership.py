@@ -162,6 +162,9 @@ class Membership:
         await self.view.refresh_dht()
         await self.view.poll_info({self.stage})
 
+    def want_view_read(self) -> None:
+        self.view.dht_reads.want()
+
     # ---- choosing, entering and leaving a stage ----
 
     async def pick_stage(self) -> int:
@@ -236,7 +239,7 @@ class Membership:
             await self.sync_from_mates()  # the stage moved on while this peer was getting ready
 
     def _after_update(self, step: int) -> None:
-        # no record store for a new step: the 2 s refresh carries it, Info the live step (ARCHITECTURE)
+        # no record store for a new step: the periodic refresh carries it, Info the live step (ARCHITECTURE)
         self.serving.notify_step()
         if self.runtime is not None and self.runtime.checkpoints is not None:
             self.runtime.checkpoints.after_step(step)

@@ -47,6 +47,7 @@ CONTRIBUTIONS_TIMEOUT_S = 5.0
 # a peer behind its stage that could download no mate's state tries again after this (the mates
 # refuse a host's state request within 1 s of its last, Limits.state_call_interval_s)
 BEHIND_RETRY_S = 1.0
+STALL_READ_S = 1.0  # a stage short of its batch this long asks its view for a DHT read (a new mate?)
 
 
 def fingerprints_agree(a: tuple[float, float], b: tuple[float, float], tol: float = FINGERPRINT_TOLERANCE) -> bool:
@@ -71,6 +72,8 @@ class StageMates(Protocol):
     async def refresh_view(self) -> None: ...
 
     async def refresh_accusations(self) -> None: ...
+
+    def want_view_read(self) -> None: ...
 
     def is_accused(self) -> bool: ...
 
@@ -150,7 +153,10 @@ class StepCoordinator:
         now = time.monotonic()
         if (step, total) != self._last_total:
             self._last_total, self._last_change, self._stall_reported = (step, total), now, False
-        elif total > 0 and now - self._last_change > self.stall_report_s and not self._stall_reported:
+            return
+        if total > 0 and now - self._last_change > STALL_READ_S:
+            self.mates.want_view_read()  # a mate that joined may hold the rest: its record is news
+        if total > 0 and now - self._last_change > self.stall_report_s and not self._stall_reported:
             self._stall_reported = True
             logger.warning(
                 "stage holds %d of %d samples for step %d and none came for %.0f s: waiting for the rest "

@@ -51,8 +51,8 @@ ACCUSATION_TTL_S = 600.0
 REPUBLISH_S = 60.0
 VERIFY_PERIOD_S = 0.25  # how often a trainer tries to verify the accusations it has not judged yet
 # A trainer reads the accusations (one DHT key) when an Info answer names a peer accused that it does
-# not know (swarm.cluster.accusations), besides the view's 2 s refresh: it stops sending a liar work
-# once it reads one, and the 2 s refresh alone let a fast stage's liar spoil 3.8% of validation loss.
+# not know (swarm.cluster.accusations), besides the view's periodic read: it stops sending a liar work
+# once it reads one, and a 2 s periodic read alone let a fast stage's liar spoil 3.8% of validation loss.
 SETTLE_S = 10.0  # how long a trainer that is done goes on judging the accusations it has read
 # a mismatch between answers computed at different steps is asked again, at once, up to this many
 # times this far apart: a peer catching up with its mates (a failed all-reduce, a download) takes ~1 s

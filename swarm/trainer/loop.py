@@ -22,8 +22,9 @@ import time
 import torch
 
 from swarm.cluster.authority import secure
+from swarm.cluster.fallbacks import fallback_totals
 from swarm.cluster.runconfig import fetch_signed_config
-from swarm.cluster.view import SwarmView, fallback_totals
+from swarm.cluster.view import SwarmView
 from swarm.core.errors import ConfigError
 from swarm.core.log import set_context
 from swarm.core.procs import SUMMARY_PREFIX

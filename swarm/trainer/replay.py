@@ -110,6 +110,7 @@ class Replayer:
         if status is None:
             # a holder that a duplicate answer named may not be in this view yet (a peer that just
             # joined): replaying at once looped, a replay every 0.2 s, each answered "already held"
+            self.view.dht_reads.want()
             return since_answer > UNKNOWN_HOLDER_GRACE_S
         if status.stage != rec.stage or not self.view.is_live(status):
             return True

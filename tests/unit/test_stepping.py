@@ -71,6 +71,7 @@ class _Mates:
 
     def __init__(self, peer_id: str) -> None:
         self.peer_id, self.stage, self.events = peer_id, 1, []
+        self.view_reads_wanted = 0
 
     def live_mates(self):
         return []
@@ -86,6 +87,9 @@ class _Mates:
 
     async def refresh_accusations(self) -> None:
         return None
+
+    def want_view_read(self) -> None:
+        self.view_reads_wanted += 1
 
     def event(self, kind: str, **fields) -> None:
         self.events.append((kind, fields))
@@ -329,3 +333,26 @@ def test_a_peer_behind_whose_state_download_failed_waits_before_asking_again(mat
     assert coord.decide() is None  # not again yet
     clock[0] += stepping.BEHIND_RETRY_S / 2
     assert coord.decide() == UpdateReason.BEHIND
+
+
+def test_a_stage_short_of_its_batch_asks_for_a_dht_read_after_a_second(mates, monkeypatch):
+    """A mate that joined may hold the rest of the batch while this peer's view has not discovered it
+    (views read the DHT less often while it changes nothing): a stall asks for a read."""
+    from swarm.peer import stepping
+
+    clock = [100.0]
+    monkeypatch.setattr(stepping.time, "monotonic", lambda: clock[0])
+    coord = _coordinator(mates[0], "a")
+    coord._watch_stall(0, 8)  # 8 of 12 samples: new count, no read yet
+    clock[0] += stepping.STALL_READ_S / 2
+    coord._watch_stall(0, 8)
+    assert coord.mates.view_reads_wanted == 0  # not stalled long enough
+    clock[0] += stepping.STALL_READ_S
+    coord._watch_stall(0, 8)
+    assert coord.mates.view_reads_wanted == 1
+    coord._watch_stall(0, 12)  # the rest came: no read asked for the new count
+    assert coord.mates.view_reads_wanted == 1
+    coord._watch_stall(1, 0)
+    clock[0] += 10 * stepping.STALL_READ_S
+    coord._watch_stall(1, 0)  # nothing held at all: nothing a new mate could complete
+    assert coord.mates.view_reads_wanted == 1
