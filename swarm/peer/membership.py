@@ -1,11 +1,10 @@
-"""A peer's place in the swarm: which stage it serves, and entering, leaving and moving between
-stages. Each stage's parts (module, executor, averager, step coordinator, checkpoint writer) form a
-`StageRuntime`, built when the peer enters the stage and torn down when it leaves: a move is a leave
-and an enter, not a mutation of the peer in place.
+"""A peer's place in the swarm: which stage it serves, and entering, leaving and moving between stages. Each stage's
+parts (module, executor, averager, step coordinator, checkpoint writer) form a `StageRuntime`, built when the peer
+enters the stage and torn down when it leaves: a move is a leave and an enter, not a mutation of the peer in place.
 
-Entering a stage: announce "joining", build the stage, get its current state (from an up-to-date
-live mate over gRPC, else from the newest checkpoint, else a fresh seeded initialization), measure
-throughput, catch up if the stage moved on meanwhile, then serve ("online").
+Entering a stage: announce "joining", build the stage, get its current state (from an up-to-date live mate over gRPC,
+else from the newest checkpoint, else a fresh seeded initialization), measure throughput, catch up if the stage moved
+on meanwhile, then serve ("online").
 """
 
 from __future__ import annotations
@@ -276,10 +275,8 @@ class Membership:
             self.view.poll_stages = {dst}
             await self._prepare(dst)
             seconds = time.monotonic() - started
-            self.events.add(
-                "move", publish=False, src=src, dst=dst, reason=reason, before=round(before, 2),
-                after=round(after, 2), seconds=round(seconds, 2), step=self.step,
-            )  # fmt: skip
+            rounded = {"before": round(before, 2), "after": round(after, 2), "seconds": round(seconds, 2)}
+            self.events.add("move", publish=False, src=src, dst=dst, reason=reason, step=self.step, **rounded)
             await self.publish_events()  # before the record says online: whoever sees the layout sees the move
             self._go_online()
             self.records.refresh_now()
@@ -287,8 +284,7 @@ class Membership:
         logger.info("moved from stage %d to stage %d in %.2f s", src, dst, seconds)
 
     async def publish_events(self) -> None:
-        """Store this peer's events now, waiting at most EVENTS_WAIT_S (a failed or slow store is
-        completed by the event log's worker)."""
+        """Store this peer's events now, waiting at most EVENTS_WAIT_S (the event log's worker ends a slow one)."""
         pending = asyncio.get_running_loop().run_in_executor(None, self.events.publish)
         try:
             await asyncio.wait_for(asyncio.shield(pending), EVENTS_WAIT_S)

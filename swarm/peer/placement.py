@@ -76,11 +76,9 @@ def assignment_from_records(records: dict, num_stages: int) -> list[PeerInfo]:
 
 
 def empty_stages(view: SwarmView, own_stage: int, num_stages: int) -> list[int]:
-    """Stages that no DHT record serves (online or joining; the view leaves out this peer's own). A
-    peer whose address refused the last Info poll serves nothing, whatever its record says: a killed
-    peer's record lives on until its TTL (15 s)."""
+    """Stages that no DHT record serves (online or joining; the view leaves out this peer's own)."""
     serving = (PeerState.ONLINE, PeerState.JOINING)
-    served = {s.stage for s in view.peers.values() if s.record_state in serving and not s.refused} | {own_stage}
+    served = {s.stage for s in view.peers.values() if s.record_state in serving} | {own_stage}
     return [k for k in range(num_stages) if k not in served]
 
 

@@ -113,6 +113,7 @@ class StepCoordinator:
         self._last_total: tuple[int, int] = (-1, -1)
         self._last_change = time.monotonic()
         self._stall_reported = False
+        self._stall_read = False  # this stall asked its view for a DHT read
         self._behind_retry_at = 0.0  # after a failed state download: not before this (monotonic)
 
     # ---- deciding ----
@@ -153,8 +154,10 @@ class StepCoordinator:
         now = time.monotonic()
         if (step, total) != self._last_total:
             self._last_total, self._last_change, self._stall_reported = (step, total), now, False
+            self._stall_read = False
             return
-        if total > 0 and now - self._last_change > STALL_READ_S:
+        if total > 0 and now - self._last_change > STALL_READ_S and not self._stall_read:
+            self._stall_read = True  # once per stall: the periodic reads go on after it
             self.mates.want_view_read()  # a mate that joined may hold the rest: its record is news
         if total > 0 and now - self._last_change > self.stall_report_s and not self._stall_reported:
             self._stall_reported = True

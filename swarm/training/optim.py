@@ -58,6 +58,17 @@ def apply_update(optimizer: torch.optim.Optimizer, cfg: OptimConfig, step: int) 
     return norm
 
 
+def _steps_done(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[float]:
+    """Each parameter's count of optimizer steps (0 before its first), read in one transfer: fused
+    AdamW keeps them on the parameters' device, where reading each would synchronize each time."""
+    held = [optimizer.state.get(p, {}).get("step") for p in params]
+    present = [torch.as_tensor(t).reshape(()) for t in held if t is not None]
+    if not present:
+        return [0.0] * len(params)
+    values = iter(torch.stack([t.to(present[0].device, torch.float64) for t in present]).tolist())
+    return [0.0 if t is None else next(values) for t in held]
+
+
 @torch.no_grad()
 def predicted_params(
     optimizer: torch.optim.Optimizer, cfg: OptimConfig, step: int, mean_grads: list[torch.Tensor]
@@ -81,10 +92,10 @@ def predicted_params(
     lr = lr_at(cfg, step)
     beta1, beta2 = cfg.beta1, cfg.beta2
     out = []
-    for p, g in zip(params, mean_grads, strict=True):
+    for p, g, done in zip(params, mean_grads, _steps_done(optimizer, params), strict=True):
         g = g.to(p.device, p.dtype) * scale
         state = optimizer.state.get(p, {})
-        n = float(state["step"]) + 1 if "step" in state else 1.0
+        n = done + 1
         m = g * (1 - beta1) if "exp_avg" not in state else state["exp_avg"] * beta1 + g * (1 - beta1)
         v = g * g * (1 - beta2) if "exp_avg_sq" not in state else state["exp_avg_sq"] * beta2 + g * g * (1 - beta2)
         denom = (v.sqrt() / math.sqrt(1 - beta2**n)).add_(cfg.eps)
@@ -108,10 +119,8 @@ def expected_mean_gradient(
     beta1 = optimizer.param_groups[0]["betas"][0]
     moments = None
     if prior_samples > 0 and all("exp_avg" in optimizer.state.get(p, {}) for p in params):
-        moments = []
-        for p in params:
-            state = optimizer.state[p]
-            moments.append(state["exp_avg"] / (1 - beta1 ** float(state["step"])))
+        steps = _steps_done(optimizer, params)
+        moments = [optimizer.state[p]["exp_avg"] / (1 - beta1**n) for p, n in zip(params, steps, strict=True)]
     if samples == 0 or grad_sum is None:
         return moments
     if moments is None:

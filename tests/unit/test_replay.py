@@ -6,6 +6,7 @@ import time
 
 import torch
 
+from swarm.cluster.dht_reads import DhtReads
 from swarm.cluster.view import PeerStatus
 from swarm.core.states import PeerState
 from swarm.policy.wiring import PeerLoad
@@ -20,6 +21,7 @@ class _View:
     def __init__(self, status: PeerStatus) -> None:
         self.peers = {"p": status}
         self.accused: dict = {}
+        self.dht_reads = DhtReads()
 
     def is_live(self, status: PeerStatus) -> bool:
         return True
@@ -59,6 +61,7 @@ def test_a_holder_this_view_has_not_discovered_yet_gets_a_grace_period():
     replayer = Replayer(view, None, None, "run", None, None)
     rec.answered -= 2.0
     assert not replayer.lost(rec)
+    assert view.dht_reads.asked == 1  # its view reads the DHT soon, not at its next period
     rec.answered -= 10.0
     assert replayer.lost(rec)  # still unknown long after: gone
 

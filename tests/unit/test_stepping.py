@@ -350,6 +350,9 @@ def test_a_stage_short_of_its_batch_asks_for_a_dht_read_after_a_second(mates, mo
     clock[0] += stepping.STALL_READ_S
     coord._watch_stall(0, 8)
     assert coord.mates.view_reads_wanted == 1
+    clock[0] += stepping.STALL_READ_S
+    coord._watch_stall(0, 8)
+    assert coord.mates.view_reads_wanted == 1  # once per stall: the periodic reads go on
     coord._watch_stall(0, 12)  # the rest came: no read asked for the new count
     assert coord.mates.view_reads_wanted == 1
     coord._watch_stall(1, 0)
