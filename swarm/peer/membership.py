@@ -123,10 +123,9 @@ class Membership:
         self.events.add(kind, stage=self.stage, **fields)
 
     def start_averager(self) -> StageAverager | None:
-        """The stage's hivemind averager process, started on its first need (a round of more than
-        --averaging-direct-max members: smaller stages never fork one, and forking while gRPC's
-        threads are busy can hang a peer), or a new one when the old one died. On the event loop's
-        (main) thread, as every averager: see swarm.training.averaging."""
+        """The stage's hivemind averager process, started on its first need (a round of more than --averaging-direct-max
+        members: smaller stages never fork one, and forking while gRPC's threads are busy can hang a peer), or a new one
+        when the old one died. On the event loop's (main) thread, as every averager: see swarm.training.averaging."""
         rt = self.runtime
         if rt is None:
             return None
@@ -294,10 +293,10 @@ class Membership:
     # ---- the stage's state ----
 
     async def _reachable_mates(self, timeout_s: float) -> list[PeerStatus]:
-        """The stage's online mates that answer Info. A mate listed in the DHT but not yet polled
-        (its step unknown) is waited for, up to `timeout_s`: starting from the seeded initialization
-        next to an up-to-date mate that merely answered slowly would throw the stage back to step 0
-        once that mate leaves. A mate that fails three polls in a row counts as gone."""
+        """The stage's online mates that answer Info. A mate listed in the DHT but not yet polled (its step unknown)
+        is waited for, up to `timeout_s`: starting from the seeded initialization next to an up-to-date mate that
+        merely answered slowly would throw the stage back to step 0 once that mate leaves. A mate that fails three
+        polls in a row counts as gone."""
         deadline = time.monotonic() + timeout_s
         while True:
             listed = [
@@ -322,10 +321,9 @@ class Membership:
             logger.warning("could not download the stage's state from any mate")
         if not mates and await self._restore_checkpoint(rt):
             return
-        if not mates and not self.cfg.allow_reinit and await self._run_has_progressed():
-            await self._wait_for_state(rt)
-            return
-        if not mates and self.cfg.allow_reinit and await self._run_has_progressed():
+        if not mates and await self._run_has_progressed():
+            if not self.cfg.allow_reinit:
+                return await self._wait_for_state(rt)
             logger.warning("stage %d has no state left anywhere: starting it again from its initialization", rt.stage)
             self.event("reinit")
             return
@@ -345,9 +343,13 @@ class Membership:
         return True
 
     async def _run_has_progressed(self) -> bool:
-        """Some stage has applied updates: a stage starting from scratch now would not be the run's."""
+        """Some stage has applied updates: a stage starting from scratch now would not be the run's. A
+        record's step is up to a refresh (5 s) old, so the live peers of every stage are asked too."""
         records = await asyncio.get_running_loop().run_in_executor(None, self.read_records)
-        return any(e.record.step > 0 for entries in records.values() for e in entries)
+        if any(e.record.step > 0 for entries in records.values() for e in entries):
+            return True
+        await self.view.poll_info()
+        return any(s.last_info_ok and s.step > 0 for s in self.view.peers.values())
 
     async def _wait_for_state(self, rt: StageRuntime) -> None:
         """No live mate and no checkpoint, but the run has progressed: the stage has "no state". Wait
@@ -360,9 +362,7 @@ class Membership:
             await asyncio.sleep(NO_STATE_RETRY_S)
             await self.refresh_view()
             mates = await self._reachable_mates(0.0)
-            if mates and await self.sync_from_mates():
-                break
-            if await self._restore_checkpoint(rt):
+            if (mates and await self.sync_from_mates()) or await self._restore_checkpoint(rt):
                 break
         self.serving.note = ""
         logger.info("stage %d has its state again (step %d)", rt.stage, rt.executor.step)
