@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -295,6 +296,13 @@ class SwarmView:
         elif targets:
             await asyncio.gather(*(self.poll_one(s) for s in targets))
         self.notify_answers()
+
+    async def some_peer_past(self, step: int, stages: set[int], limit: int) -> bool:
+        """Whether one of up to `limit` online peers of `stages` (a random pick) answers with a step past `step`."""
+        online = [s for s in self.peers.values() if s.stage in stages and s.record_state == PeerState.ONLINE]
+        sample = random.sample(online, min(len(online), limit))
+        answered = await asyncio.gather(*(self.poll_one(s) for s in sample))
+        return any(ok and s.step > step for ok, s in zip(answered, sample, strict=True))
 
     def notify_answers(self) -> None:
         """Info answers came in (a round of polls, or a watched mate's): wake the waiters and listeners."""

@@ -46,6 +46,7 @@ MATES_ANSWER_WAIT_S = 30.0  # on entering: how long to wait for listed mates to 
 NO_STATE_RETRY_S = 5.0  # a peer of a stage with no state looks for a source this often
 STATE_SOURCES_TRIED = 3  # mates tried per state download round
 EVENTS_WAIT_S = 3.0  # a move waits this long at most for its event to be on the DHT before going online
+PROGRESS_POLLS = 4  # live peers of other stages asked for their step by a peer that finds no mate
 
 
 @dataclass
@@ -344,12 +345,11 @@ class Membership:
 
     async def _run_has_progressed(self) -> bool:
         """Some stage has applied updates: a stage starting from scratch now would not be the run's. A
-        record's step is up to a refresh (5 s) old, so the live peers of every stage are asked too."""
+        record's step is up to a refresh (5 s) old, so a few live peers of the other stages are asked too."""
         records = await asyncio.get_running_loop().run_in_executor(None, self.read_records)
         if any(e.record.step > 0 for entries in records.values() for e in entries):
             return True
-        await self.view.poll_info()
-        return any(s.last_info_ok and s.step > 0 for s in self.view.peers.values())
+        return await self.view.some_peer_past(0, set(records) - {self.stage}, PROGRESS_POLLS)
 
     async def _wait_for_state(self, rt: StageRuntime) -> None:
         """No live mate and no checkpoint, but the run has progressed: the stage has "no state". Wait
