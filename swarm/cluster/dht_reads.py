@@ -52,6 +52,10 @@ class DhtReads:
         self.unchanged = self.unchanged + 1 if signature == self._signature else 0
         self._signature = signature
 
+    def failed(self) -> None:
+        """A read failed: not quiet, so the next one comes at the base period."""
+        self.unchanged = 0
+
     @property
     def quiet(self) -> bool:
         return self.unchanged >= self.quiet_after

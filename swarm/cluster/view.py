@@ -343,7 +343,7 @@ class SwarmView:
                 await self.refresh_dht()
             except Exception as e:  # noqa: BLE001 - keep the view alive through DHT hiccups
                 logger.warning("DHT refresh failed: %s", e)
-                self.dht_reads.unchanged = 0  # not quiet: the next read at the base period
+                self.dht_reads.failed()
             # every process re-reads every stage record: stretched as the swarm grows, so that a record's
             # replicas serve a bounded number of reads (readers: the peers known; trainers are few)
             known = len(self.peers)
