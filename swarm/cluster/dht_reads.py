@@ -21,9 +21,8 @@ from collections.abc import Hashable
 
 from swarm.dht.records import AccusationRecord, PeerEntry
 
-QUIET_AFTER = 3  # reads in a row that changed nothing before the period stretches
-QUIET_FACTOR = 3.0  # the stretched period, in base periods
-MIN_GAP_S = 0.5  # least time between two reads, however often one is asked for
+# shared with the simulator (swarm.sim.overheads)
+from swarm.policy.polling import MIN_GAP_S, QUIET_AFTER, QUIET_FACTOR
 
 
 def signature(records: dict[int, list[PeerEntry]], accusations: list[AccusationRecord]) -> Hashable:

@@ -12,7 +12,9 @@ Pure functions: the peers, the views and the simulator (swarm.sim.overheads) sha
 
 from __future__ import annotations
 
+import math
 import time
+from dataclasses import dataclass
 
 INFO_BUDGET_PER_S = 100.0  # Info answers a second a peer asks its pollers to stay under (~2.5% of a core)
 DHT_READ_BUDGET_PER_S = 100.0  # reads of one stage record a second each of its replicas serves at most
@@ -24,6 +26,10 @@ POLLERS_WINDOW_S = 2.0  # a poller not heard from for this long no longer counts
 WATCH_WAIT_S = 1.0  # a watched mate answers at the latest after this long, changed or not
 WATCH_GAP_S = 0.01  # least time between two watch polls of one mate, whatever it answers
 WATCH_MAX_MATES = 16  # a peer with more stage-mates polls them at the budgeted period instead
+# a view's DHT reads while the records do not change (swarm.cluster.dht_reads)
+QUIET_AFTER = 3  # reads in a row that changed nothing before the period stretches
+QUIET_FACTOR = 3.0  # the stretched period, in base periods
+MIN_GAP_S = 0.5  # least time between two reads, however often one is asked for (a view missing a peer)
 
 
 def watches_mates(mates: int) -> bool:
@@ -49,6 +55,34 @@ def dht_period(
     """The period each of `readers` processes should re-read every stage record (of `record_bytes`)
     at, so that no replica serves more than its budget of reads or bytes."""
     return max(base_s, readers / (replicas * reads_per_s), readers * record_bytes / (replicas * bytes_per_s))
+
+
+@dataclass(frozen=True)
+class ReadRhythm:
+    """How a view's DHT reads come, on average, at a given rate of news."""
+
+    mean_s: float  # between two reads
+    quiet_share: float  # of the time, spent in stretched (quiet) periods
+
+
+def dht_read_rhythm(
+    base_s: float, changes_per_s: float, quiet_after: int = QUIET_AFTER, quiet_factor: float = QUIET_FACTOR
+) -> ReadRhythm:
+    """The steady state of swarm.cluster.dht_reads when the stage records change as a Poisson process
+    of `changes_per_s` (each change is news to every view). A view reads every `base_s` until
+    `quiet_after` reads in a row found no news, then every `quiet_factor` x `base_s` until one does.
+    Per visit to "just found news", the view makes sum p^i (i < quiet_after) reads at the base period,
+    p = exp(-rate x base), then p^quiet_after / (1 - q) stretched ones, q = exp(-rate x factor x base)."""
+    if quiet_factor <= 1.0:
+        return ReadRhythm(base_s, 0.0)
+    p = math.exp(-changes_per_s * base_s)
+    stay = math.exp(-changes_per_s * quiet_factor * base_s)
+    if stay >= 1.0:  # nothing ever changes: every read is a quiet one
+        return ReadRhythm(quiet_factor * base_s, 1.0)
+    busy_reads = sum(p**i for i in range(quiet_after))
+    quiet_reads = p**quiet_after / (1.0 - stay)
+    busy_s, quiet_s = busy_reads * base_s, quiet_reads * quiet_factor * base_s
+    return ReadRhythm((busy_s + quiet_s) / (busy_reads + quiet_reads), quiet_s / (busy_s + quiet_s))
 
 
 class PollerCount:

@@ -112,6 +112,7 @@ class Churn:
         self.placed[peer.stage] -= peer.thr
         self.placed[peer.dst] += peer.thr
         self.moves += 1
+        self._record_changed()  # its record says it is draining
         logger.debug("t=%.0f move %s %d -> %d: %s", now, peer.pid, move.src, move.dst, move.reason)
         for load in peer.loads:
             set_online(load, False)

@@ -286,6 +286,13 @@ def _add_polling_options(p: argparse.ArgumentParser, d: SimConfig) -> None:
         default=d.dht_budget_mbps,
         help="budget: Mbit/s a record replica serves (%(default)s)",
     )
+    g.add_argument(
+        "--dht-quiet-factor",
+        type=float,
+        default=d.dht_quiet_factor,
+        help="budget: a view's DHT period after three reads in a row without news, in periods (%(default)s; 1: "
+        "always the base period, the code before 2026-12-07)",
+    )
 
 
 def configs_from_args(args: argparse.Namespace) -> list[SimConfig]:
@@ -328,6 +335,7 @@ def configs_from_args(args: argparse.Namespace) -> list[SimConfig]:
         dht_record_bytes=args.dht_record_bytes,
         dht_replicas=args.dht_replicas,
         dht_budget_mbps=args.dht_budget_mbps,
+        dht_quiet_factor=args.dht_quiet_factor,
         rebalance_period=args.rebalance_period,
         rebalance_threshold=args.rebalance_threshold,
         move_time=args.move_time,

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 from swarm.core.settings import DHT_REFRESH_S, INFO_PERIOD_S, LIVENESS_WINDOW_S
 from swarm.core.states import SyncMode
+from swarm.policy.polling import QUIET_FACTOR
 from swarm.policy.rebalance import DEFAULT_THRESHOLD
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,8 @@ class SimConfig:
     dht_record_bytes: float = 900.0  # bytes per peer in a stage record (signed: owner key and signature)
     dht_replicas: int = 5  # peers storing each stage record (hivemind's num_replicas)
     dht_budget_mbps: float = 50.0  # budget: Mbit/s one replica of a stage record serves at most
+    # budget: the views' period after three reads without news (swarm.cluster.dht_reads); 1: always the base
+    dht_quiet_factor: float = QUIET_FACTOR
     # rebalancing
     rebalance_period: float = 15.0  # seconds between rounds, jittered x0.7..1.3
     rebalance_threshold: float = DEFAULT_THRESHOLD  # plan_move's threshold, the peers' default
@@ -121,6 +124,8 @@ class SimConfig:
         budgets = (self.info_period, self.dht_period, self.info_budget, self.dht_budget_mbps)
         if min(costs) < 0 or min(budgets) <= 0 or self.dht_replicas < 1:
             raise ValueError("costs must not be negative; periods, --info-budget and --dht-replicas must be positive")
+        if not 1.0 <= self.dht_quiet_factor <= 100.0:
+            raise ValueError(f"--dht-quiet-factor must be in [1, 100], got {self.dht_quiet_factor}")
 
     @property
     def hops_per_microbatch(self) -> int:

@@ -296,6 +296,7 @@ class Simulator(Population, Churn, Steps, Overheads):
     # ---- metrics ----
 
     def _tick(self, k: int) -> None:
+        self._refresh_dht()  # the rate of record changes falls while nothing happens
         self._record_window()
         placed = [0.0] * self.cfg.stages  # recomputed now and then, so that float drift never builds up
         for p in self.present:

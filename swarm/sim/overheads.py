@@ -24,6 +24,15 @@ learn that their stage holds its batch within one one-way latency, not a poll pe
   the trainers' views after a uniform draw within one DHT period, and a dead one dropped after
   `dead_after` plus one Info period (the last answer can be a period old).
 
+Under `polling="budget"` the views also read less while the records do not change, as the code's do
+(swarm.cluster.dht_reads, since 2026-12-07): `dht_quiet_factor` times the period after three reads in
+a row without news. The news is every change of a stage's membership (a join, a peer online, a
+preemption, a move), counted over the last CHANGES_WINDOW_S; `swarm.policy.dht_read_rhythm` turns its
+rate into the mean period (what the replicas serve) and the share of time the views spend in
+stretched periods (a new peer waits a draw within the stretched period with that probability). A peer
+that comes online where microbatches wait for a usable peer of its stage is found within MIN_GAP_S:
+the trainers' views ask for a read at once then.
+
 `polling="budget"` (the default) is what the code does (swarm.policy.polling, the same functions):
 each peer answers at most `info_budget` Info polls per second (its pollers stretch their period to
 pollers / budget) and every process stretches its DHT period so that no replica serves more than
@@ -36,12 +45,22 @@ period).
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
-from swarm.policy.polling import WATCH_WAIT_S, dht_period, info_period, watches_mates
+from swarm.policy.polling import (
+    MIN_GAP_S,
+    QUIET_AFTER,
+    WATCH_WAIT_S,
+    dht_period,
+    dht_read_rhythm,
+    info_period,
+    watches_mates,
+)
 
 MIN_CPU_SHARE = 0.02  # a peer drowned in polls still computes this share of its throughput
 MIN_LINK_SHARE = 0.05
+CHANGES_WINDOW_S = 300.0  # the rate of record changes the views see: counted over this long
 
 
 @dataclass(frozen=True)
@@ -85,26 +104,39 @@ def poll_load(n: int, trainers: int, cfg, mate_changes_s: float = 0.0) -> PollLo
 class DhtLoad:
     """The DHT reads of stage records: per replica of one record, and per reader."""
 
-    period_s: float  # how often each process re-reads every stage record
+    period_s: float  # the base period each process re-reads every stage record at (budgeted)
     replica_reads_s: float  # reads of one record that one of its replicas serves per second
     replica_cpu_share: float
     replica_link_bps: float
     reader_link_bps: float  # bytes/s every process downloads
+    mean_read_s: float = 0.0  # between two reads of a view, quiet periods included
+    quiet_share: float = 0.0  # of the time a view reads at the stretched period
+    quiet_period_s: float = 0.0  # the stretched period
 
 
-def dht_load(alive: int, trainers: int, stages: int, cfg) -> DhtLoad:
+def dht_load(alive: int, trainers: int, stages: int, cfg, changes_per_s: float = 0.0) -> DhtLoad:
+    """The DHT figures of `alive` peers and `trainers` trainers when the stage records change
+    `changes_per_s` times a second (swarm-wide)."""
     readers = alive + trainers
-    period = cfg.dht_period
+    period = mean = quiet_period = cfg.dht_period
+    quiet_share = 0.0
     record = alive / max(1, stages) * cfg.dht_record_bytes  # one stage's record: all its peers' entries
     if cfg.polling == "budget":
         period = dht_period(readers, record, period, cfg.dht_replicas, cfg.info_budget, cfg.dht_budget_mbps * 1e6 / 8)
-    reads = readers / period / cfg.dht_replicas
+        rhythm = dht_read_rhythm(period, changes_per_s, QUIET_AFTER, cfg.dht_quiet_factor)
+        mean, quiet_share, quiet_period = rhythm.mean_s, rhythm.quiet_share, period * max(1.0, cfg.dht_quiet_factor)
+    else:
+        mean = quiet_period = period
+    reads = readers / mean / cfg.dht_replicas
     return DhtLoad(
         period_s=period,
         replica_reads_s=reads,
         replica_cpu_share=reads * cfg.info_cost_ms / 1000,
         replica_link_bps=reads * record,
-        reader_link_bps=stages * record / period,
+        reader_link_bps=stages * record / mean,
+        mean_read_s=mean,
+        quiet_share=quiet_share,
+        quiet_period_s=quiet_period,
     )
 
 
@@ -124,6 +156,31 @@ class Overheads:
         self.link_used = [0.0] * S  # bytes/s of Info traffic per peer of the stage
         self.dht = dht_load(0, self.cfg.trainers, S, self.cfg)
         self.replicas: list[list] = [[] for _ in range(S)]  # the peers storing each stage's record
+        self.record_changes: deque[float] = deque()  # when a stage record changed, within CHANGES_WINDOW_S
+
+    def _record_changed(self) -> None:
+        """A stage record changed (news to every view's DHT reads)."""
+        self.record_changes.append(self.now)
+
+    def _refresh_dht(self) -> None:
+        """The DHT figures at the current size and rate of record changes."""
+        changes = self.record_changes
+        while changes and changes[0] < self.now - CHANGES_WINDOW_S:
+            changes.popleft()
+        rate = len(changes) / CHANGES_WINDOW_S
+        self.dht = dht_load(len(self.alive), self.cfg.trainers, self.cfg.stages, self.cfg, rate)
+
+    def _discovery_delay(self, stage: int) -> float:
+        """How long until the trainers' views read a new or moved peer of `stage` from the DHT: a uniform
+        draw within the period the views are in (the stretched one with the share of time they spend in
+        it), or within MIN_GAP_S when microbatches wait for a usable peer of the stage (the trainers'
+        views ask for a read then: swarm.cluster.dht_reads)."""
+        if self.waiting[stage] and self.cfg.polling == "budget":
+            return self.sync_rng.uniform(0.0, MIN_GAP_S)
+        d = self.dht
+        if d.quiet_share > 0 and self.sync_rng.random() < d.quiet_share:
+            return self.sync_rng.uniform(0.0, d.quiet_period_s)
+        return self.sync_rng.uniform(0.0, d.period_s)
 
     def _stage_changed(self, k: int) -> None:
         """Stage k gained or lost a serving peer: recompute its peers' polling load (and the DHT's)."""
@@ -133,7 +190,8 @@ class Overheads:
         p = self.poll[k] = poll_load(n, cfg.trainers, cfg, changes)
         self.cpu_free[k] = 1.0 - p.cpu_share
         self.link_used[k] = p.link_bps
-        self.dht = dht_load(len(self.alive), cfg.trainers, cfg.stages, cfg)
+        self._record_changed()
+        self._refresh_dht()
 
     def _cpu_share(self, peer) -> float:
         free = self.cpu_free[peer.stage] - peer.replica_of * self.dht.replica_cpu_share
@@ -182,6 +240,8 @@ class Overheads:
             "info_cpu_share": mean("cpu_share"),
             "info_link_mbps": mean("link_bps") * 8 / 1e6,
             "dht_period_s": self.dht.period_s,
+            "dht_mean_read_s": self.dht.mean_read_s,
+            "dht_quiet_share": self.dht.quiet_share,
             "dht_replica_reads_s": self.dht.replica_reads_s,
             "dht_replica_link_mbps": self.dht.replica_link_bps * 8 / 1e6,
             "dht_reader_link_mbps": self.dht.reader_link_bps * 8 / 1e6,

@@ -100,7 +100,7 @@ class Population:
         if placed_at == -math.inf:
             self._discover((peer, peer.stage))
         else:
-            self._push(self.now + self.sync_rng.uniform(0.0, self.dht.period_s), DISCOVER, (peer, peer.stage))
+            self._push(self.now + self._discovery_delay(peer.stage), DISCOVER, (peer, peer.stage))
 
     def _discover(self, found: tuple[Peer, int]) -> None:
         """The trainers' views list the peer (if it still serves that stage)."""

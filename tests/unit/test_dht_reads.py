@@ -4,11 +4,14 @@ slower after reads that changed nothing, soon when a read is asked for."""
 from __future__ import annotations
 
 import asyncio
+import math
+import random
 import time
 
 import pytest
 
 from swarm.cluster.dht_reads import DhtReads
+from swarm.policy.polling import QUIET_FACTOR, dht_read_rhythm
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -76,3 +79,35 @@ def test_the_signature_changes_with_peers_stages_states_and_accusations_not_with
     assert signature({0: [entry("a", state="draining")], 1: [entry("b")]}, []) != base
     accused = [NS(accusations=[NS(accused="b")])]
     assert signature({0: [entry("a")], 1: [entry("b")]}, accused) != base
+
+
+def _read_rhythm_of_the_code(base_s: float, rate: float, reads: int, seed: int) -> tuple[float, float]:
+    """(mean seconds between reads, share of the time in stretched periods) of a DhtReads driven by
+    Poisson news of `rate` a second: each read's signature is the number of changes so far."""
+    rng = random.Random(seed)
+    state, now, next_change, changes = DhtReads(), 0.0, rng.expovariate(rate) if rate else math.inf, 0
+    quiet_s = 0.0
+    for _ in range(reads):
+        wait = state.period(base_s)
+        quiet_s += wait if state.quiet else 0.0
+        now += wait
+        while next_change <= now:
+            changes += 1
+            next_change += rng.expovariate(rate)
+        state.after(changes)
+    return now / reads, quiet_s / now
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.02, 0.1, 0.3, 2.0])
+def test_the_simulators_read_rhythm_is_the_codes(rate):
+    """swarm.policy.dht_read_rhythm (what swarm sim charges the DHT replicas and how late it lets the
+    trainers find a new peer) against the real DhtReads under Poisson news: mean period and quiet share."""
+    mean_s, quiet_share = _read_rhythm_of_the_code(2.0, rate, 40_000, seed=int(rate * 100))
+    rhythm = dht_read_rhythm(2.0, rate)
+    assert rhythm.mean_s == pytest.approx(mean_s, rel=0.03)
+    assert rhythm.quiet_share == pytest.approx(quiet_share, abs=0.02)
+    if rate >= 2.0:  # news at nearly every read: always the base period
+        assert rhythm.mean_s == pytest.approx(2.0, rel=1e-3)
+    if rate == 0.0:  # nothing ever changes: always the stretched one
+        assert rhythm.mean_s == pytest.approx(2.0 * QUIET_FACTOR) and rhythm.quiet_share == 1.0
+    assert dht_read_rhythm(2.0, rate, quiet_factor=1.0).mean_s == 2.0  # no stretching: the code before

@@ -341,6 +341,28 @@ def test_polling_slows_a_crowded_stage_and_the_budget_restores_it():
     assert budget.overheads["dht_period_s"] >= fixed.overheads["dht_period_s"]
 
 
+def test_views_read_the_dht_less_while_the_swarm_is_quiet_and_at_the_base_period_through_churn():
+    """swarm.cluster.dht_reads in the model: three reads without news stretch a view's period (x3);
+    news (joins, preemptions, moves) brings it back. --dht-quiet-factor 1 is the code before."""
+    kw = dict(peers=24, stages=3, sim_seconds=1800.0, hops_per_peer=100.0, rebalance=False, initial="balanced")
+    quiet = run_sim(SimConfig(preemption_rate=0.0, **kw)).overheads
+    before = run_sim(SimConfig(preemption_rate=0.0, dht_quiet_factor=1.0, **kw)).overheads
+    churn = run_sim(SimConfig(preemption_rate=30.0, **kw)).overheads  # 0.2 preemptions and joins a second
+    assert before["dht_quiet_share"] == 0.0 and before["dht_mean_read_s"] == pytest.approx(before["dht_period_s"])
+    assert quiet["dht_quiet_share"] > 0.9 and quiet["dht_mean_read_s"] > 2.5 * quiet["dht_period_s"]
+    assert quiet["dht_replica_reads_s"] < 0.4 * before["dht_replica_reads_s"]
+    assert churn["dht_quiet_share"] < 0.2 and churn["dht_mean_read_s"] < 1.1 * churn["dht_period_s"]
+
+
+def test_a_peer_joining_a_stage_the_trainers_wait_for_is_found_at_once_whatever_the_dht_period():
+    """A trainer with no usable peer in a stage asks its view for a DHT read (after MIN_GAP_S at most):
+    with one peer per stage every preemption empties one, and a 5-minute DHT period costs little."""
+    kw = dict(peers=2, stages=2, sim_seconds=3600.0, preemption_rate=6.0, join_rate=6.0, seed=3)
+    fast, slow = run_sim(SimConfig(dht_period=2.0, **kw)), run_sim(SimConfig(dht_period=300.0, **kw))
+    assert fast.preemptions == slow.preemptions > 5
+    assert slow.throughput > 0.8 * fast.throughput  # 0.38x when the joiner waited for the next periodic read
+
+
 def test_bench_quick_prints_its_figures():
     out = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench_sim.py"), "--quick", "--polling", "budget"],
