@@ -125,8 +125,6 @@ def dht_load(alive: int, trainers: int, stages: int, cfg, changes_per_s: float =
         period = dht_period(readers, record, period, cfg.dht_replicas, cfg.info_budget, cfg.dht_budget_mbps * 1e6 / 8)
         rhythm = dht_read_rhythm(period, changes_per_s, QUIET_AFTER, cfg.dht_quiet_factor)
         mean, quiet_share, quiet_period = rhythm.mean_s, rhythm.quiet_share, period * max(1.0, cfg.dht_quiet_factor)
-    else:
-        mean = quiet_period = period
     reads = readers / mean / cfg.dht_replicas
     return DhtLoad(
         period_s=period,
