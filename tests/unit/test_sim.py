@@ -161,6 +161,8 @@ def test_config_rejects_impossible_swarms():
         SimConfig(peers=2, stages=3).resolved()
     with pytest.raises(ValueError):
         SimConfig(policy="greedy").resolved()
+    with pytest.raises(ValueError, match="dht-quiet-factor"):  # below 1 the views would read faster when quiet
+        SimConfig(dht_quiet_factor=0.5).resolved()
 
 
 def _run_cli(argv: list[str]) -> int:
