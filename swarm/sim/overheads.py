@@ -109,9 +109,9 @@ class DhtLoad:
     replica_cpu_share: float
     replica_link_bps: float
     reader_link_bps: float  # bytes/s every process downloads
-    mean_read_s: float = 0.0  # between two reads of a view, quiet periods included
-    quiet_share: float = 0.0  # of the time a view reads at the stretched period
-    quiet_period_s: float = 0.0  # the stretched period
+    mean_read_s: float  # between two reads of a view, quiet periods included
+    quiet_share: float  # of the time a view reads at the stretched period
+    quiet_period_s: float  # the stretched period
 
 
 def dht_load(alive: int, trainers: int, stages: int, cfg, changes_per_s: float = 0.0) -> DhtLoad:
@@ -124,7 +124,7 @@ def dht_load(alive: int, trainers: int, stages: int, cfg, changes_per_s: float =
     if cfg.polling == "budget":
         period = dht_period(readers, record, period, cfg.dht_replicas, cfg.info_budget, cfg.dht_budget_mbps * 1e6 / 8)
         rhythm = dht_read_rhythm(period, changes_per_s, QUIET_AFTER, cfg.dht_quiet_factor)
-        mean, quiet_share, quiet_period = rhythm.mean_s, rhythm.quiet_share, period * max(1.0, cfg.dht_quiet_factor)
+        mean, quiet_share, quiet_period = rhythm.mean_s, rhythm.quiet_share, period * cfg.dht_quiet_factor
     reads = readers / mean / cfg.dht_replicas
     return DhtLoad(
         period_s=period,
