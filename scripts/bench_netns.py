@@ -4,6 +4,7 @@
     python scripts/bench_netns.py codecs  --link-mbit 10        # the same with every link at 10 Mbit/s
     python scripts/bench_netns.py mixed   --steps 30            # who gets the microbatches under "mixed"
     python scripts/bench_netns.py moves                         # join and move times under "internet"
+    python scripts/bench_netns.py inputs --link-mbit 10         # backwards with and without their kept input
     python scripts/bench_netns.py all --plot docs/networks.png  # all three, and the plot
     python scripts/bench_netns.py plot --results R.json --plot docs/networks.png   # the plot of saved results
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -54,17 +56,43 @@ def codecs(steps: int, link_mbit: float | None = None) -> list[dict]:
     rows = []
     for codec in ("none", "fp16", "int8"):
         with tempfile.TemporaryDirectory() as tmp:
-            profile = "internet"
-            if link_mbit:
-                profile = str(Path(tmp) / "profile.yaml")
-                Path(profile).write_text(f"extends: internet\ndefault: {{rate_mbit: {link_mbit}}}\n")
-            with make(tmp, profile, [2, 2, 2], steps, run_args(codec), ["--no-rebalance"]) as s:
+            with make(tmp, shaped(tmp, link_mbit), [2, 2, 2], steps, run_args(codec), ["--no-rebalance"]) as s:
                 summary = train(s)
         row = {"codec": codec, "link_mbit": link_mbit or 100, "samples_per_s": round(summary["samples_per_s"], 2),
                "loss_last": round(summary["loss_last"], 3), "steps": summary["steps"]}  # fmt: skip
         print(json.dumps({"part": "codecs", **row}), flush=True)
         rows.append(row)
     return rows
+
+
+def shaped(tmp: str, link_mbit: float | None) -> str:
+    """The "internet" profile, with every link at `link_mbit` if given."""
+    if not link_mbit:
+        return "internet"
+    profile = Path(tmp) / "profile.yaml"
+    profile.write_text(f"extends: internet\ndefault: {{rate_mbit: {link_mbit}}}\n")
+    return str(profile)
+
+
+def inputs(steps: int, link_mbit: float | None, rounds: int) -> dict:
+    """3 stages x 1 peer under "internet", exact mode: backwards sent back to their forward's peer without the
+    input it keeps (the default) against always with it (--no-leave-out-kept-inputs), alternated `rounds` times."""
+    runs: dict[str, list[dict]] = {"left_out": [], "always_sent": []}
+    for _ in range(rounds):
+        for name, extra in (("left_out", []), ("always_sent", ["--no-leave-out-kept-inputs"])):
+            with tempfile.TemporaryDirectory() as tmp:
+                args = run_args("fp16", sync="exact")
+                with make(tmp, shaped(tmp, link_mbit), [1, 1, 1], steps, args, ["--no-rebalance"]) as s:
+                    s.opts.trainer_args = ["--val-samples", "0", *extra]
+                    summary = train(s)
+            row = {"samples_per_s": round(summary["samples_per_s"], 2), "loss_last": summary["loss_last"]}
+            row.update({k: summary[k] for k in ("inputs_left_out", "inputs_resent")})
+            print(json.dumps({"part": "inputs", "run": name, "link_mbit": link_mbit or 100, **row}), flush=True)
+            runs[name].append(row)
+    median = {name: statistics.median(r["samples_per_s"] for r in rows) for name, rows in runs.items()}
+    return {"link_mbit": link_mbit or 100, "steps": steps, "rounds": rounds, "runs": runs,
+            "median_samples_per_s": median, "ratio": round(median["left_out"] / median["always_sent"], 3),
+            "same_loss": len({r["loss_last"] for rows in runs.values() for r in rows}) == 1}  # fmt: skip
 
 
 def peer_rows(swarm: LocalSwarm) -> list[dict]:
@@ -175,11 +203,14 @@ def plot(result: dict, path: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("part", choices=["codecs", "mixed", "moves", "all", "plot"])
+    p.add_argument("part", choices=["codecs", "mixed", "moves", "inputs", "all", "plot"])
     p.add_argument("--results", help="plot: a JSON file with the parts' results (codecs, codecs_slow, mixed)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--plot", help="write the plot (all) to this PNG")
-    p.add_argument("--link-mbit", type=float, help="codecs: every link at this rate (default: the profile's 100)")
+    p.add_argument(
+        "--link-mbit", type=float, help="codecs, inputs: every link at this rate (default: the profile's 100)"
+    )
+    p.add_argument("--rounds", type=int, default=2, help="inputs: alternated pairs of runs (default 2)")
     args = p.parse_args()
     result = {}
     if args.part == "plot":
@@ -191,6 +222,8 @@ def main() -> None:
         result["mixed"] = mixed(args.steps)
     if args.part in ("moves", "all"):
         result["moves"] = moves(args.steps)
+    if args.part == "inputs":
+        print(json.dumps({"part": "inputs-summary", **inputs(args.steps, args.link_mbit, args.rounds)}), flush=True)
     if args.part == "all":
         print(json.dumps(result), flush=True)
         if args.plot:

@@ -109,6 +109,8 @@ def aggregate(summaries: list[dict], wall_s: float) -> dict:
         "peer_failures": len(failed),
         "retries": sum(s["retries"] for s in summaries),
         "replays": sum(s.get("replays", 0) for s in summaries),
+        "inputs_left_out": sum(s.get("inputs_left_out", 0) for s in summaries),
+        "inputs_resent": sum(s.get("inputs_resent", 0) for s in summaries),
         "microbatches_started": sum(s.get("microbatches_started", 0) for s in summaries),
         "microbatches_completed": sum(s.get("microbatches_completed", 0) for s in summaries),
         "microbatches_requeued": sum(s.get("microbatches_requeued", 0) for s in summaries),

@@ -1,5 +1,5 @@
 """Typed errors, by whose fault and what the caller should do. The gRPC server maps these types
-(never their messages) to status codes (swarm.peer.server.status_of): a request's own fault is not
+(never their messages) to status codes (swarm.peer.statuses.status_of): a request's own fault is not
 worth retrying elsewhere, a peer's transient state is."""
 
 from __future__ import annotations
@@ -56,6 +56,12 @@ class StageBehind(SwarmError):
 class LateContribution(RequestInvalid):
     """A backward for an update this stage already applied without it (it cannot be applied exactly
     once any more): INVALID_ARGUMENT, and the ledger shows it lost."""
+
+
+class InputNotKept(SwarmError):
+    """A backward sent without its input (BackwardRequest.kept_token) to a peer that no longer holds the
+    forward's activations it names (evicted, aged out, the parameters changed, or another token):
+    NOT_FOUND. The trainer sends it again with the input, no ban: nothing was computed or accumulated."""
 
 
 class Overloaded(SwarmError):

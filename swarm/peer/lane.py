@@ -10,7 +10,8 @@ from collections.abc import AsyncIterator
 
 from swarm.core.errors import Overloaded
 from swarm.peer.requests import decode_targets
-from swarm.peer.server import StageService, status_of
+from swarm.peer.server import StageService
+from swarm.peer.statuses import status_of
 from swarm.peer.streaming import StreamedRequest
 from swarm.wire.codec import WireError
 from swarm.wire.lane import RETRY, STREAMED, Buffer, LaneServer

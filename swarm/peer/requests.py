@@ -44,6 +44,22 @@ def check_header(header: pb.Tensor, what: str, schema: StageSchema, limits: Limi
     return shape[0]
 
 
+def input_left_out(msg, schema: StageSchema, limits: Limits) -> bool:
+    """Whether a Backward leaves its input out for the activations this peer kept of its forward
+    (BackwardRequest.kept_token); a malformed one is refused here, before any part is read."""
+    if not msg.kept_token:
+        return False
+    if msg.HasField("input"):
+        raise WireError("a backward with kept_token leaves its input out; this one carries it")
+    if schema.is_last:
+        raise WireError("the last stage keeps no forward activations: send the input")
+    if not msg.forward_id:
+        raise WireError("a backward with kept_token must name its forward (forward_id)")
+    if not 1 <= msg.num_samples <= limits.max_batch:
+        raise WireError(f"num_samples {msg.num_samples} is not within 1..{limits.max_batch}")
+    return True
+
+
 def check_grad_output(grad: torch.Tensor | None, batch: int) -> torch.Tensor:
     if grad is None:
         raise WireError("backward on a non-last stage needs grad_output")

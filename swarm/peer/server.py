@@ -14,31 +14,23 @@ import asyncio
 import contextlib
 import functools
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator
 
 import grpc
 
 from swarm.core.auth import Verifier
-from swarm.core.errors import (
-    NotServing,
-    Overloaded,
-    RequestInvalid,
-    RequestTooLarge,
-    StageBehind,
-    StepClosed,
-    StepNotReady,
-    SwarmError,
-    WrongTarget,
-)
+from swarm.core.errors import RequestInvalid, StageBehind, StepNotReady
 from swarm.core.settings import INFO_PERIOD_S
 from swarm.peer.admission import Admission
 from swarm.peer.agreement import contributions_response, ledger_chunks
 from swarm.peer.executor import StageExecutor
 from swarm.peer.partials import partial_chunks
-from swarm.peer.requests import check_grad_output, decode_targets
+from swarm.peer.requests import check_grad_output, decode_targets, input_left_out
 from swarm.peer.serving import Limits, ServingState
 from swarm.peer.state_transfer import StateSnapshots
+from swarm.peer.statuses import abort
 from swarm.peer.streaming import StreamedRequest
 from swarm.policy.polling import PollerCount, info_period
 from swarm.training.models import StageSchema
@@ -55,34 +47,7 @@ logger = logging.getLogger(__name__)
 
 SERVICE = "swarm.Stage"
 
-STATUS_OF_ERROR: dict[type[BaseException], grpc.StatusCode] = {
-    RequestTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    RequestInvalid: grpc.StatusCode.INVALID_ARGUMENT,
-    WrongTarget: grpc.StatusCode.FAILED_PRECONDITION,
-    NotServing: grpc.StatusCode.UNAVAILABLE,
-    StepClosed: grpc.StatusCode.ABORTED,
-    StageBehind: grpc.StatusCode.ABORTED,
-}
 STEP_RECHECK_S = 0.05  # an exact-mode request waiting for this peer's next step re-checks its deadline this often
-RETRY_KEY = "swarm-retry"  # trailing metadata of a RESOURCE_EXHAUSTED that is worth retrying (Overloaded)
-
-
-def status_of(e: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The gRPC status of an error, by its type (the most specific class that has one)."""
-    for cls in type(e).__mro__:
-        code = STATUS_OF_ERROR.get(cls)
-        if code is not None:
-            return code, str(e)
-    logger.error("unexpected error serving a request", exc_info=e)
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"
-
-
-async def abort(context, e: BaseException):
-    """Answer with the status of `e` (a retryable overload says so in the trailing metadata)."""
-    code, details = status_of(e)
-    metadata = ((RETRY_KEY, "1"),) if isinstance(e, Overloaded) else ()
-    await context.abort(code, details, trailing_metadata=metadata)
 
 
 def _add_part(acc: dict, result, samples: int) -> None:
@@ -110,30 +75,22 @@ class StageService:
     async def compute(self, kind: str, msg, executor: StageExecutor, schema: StageSchema, targets, parts, acc: dict):
         """Run each (samples, input, grad_output) part as it comes; yield the encoded output parts.
         Per-request figures (loss, compute time, accumulated step) are collected in `acc`."""
-        if msg.reply_codec not in codec.CODEC_LABELS:
-            raise WireError(f"unknown reply codec {msg.reply_codec}")
-        training = not getattr(msg, "validation", False)
-        ahead = training and msg.step > executor.step  # for a step this peer has not reached yet
-        if training:
-            self._check_step(int(msg.step), executor.step)
-        if ahead and self.serving.on_run_ahead is not None:
-            self.serving.on_run_ahead()
-        if self.serving.exact and ahead:
-            with self.admission.wait_for_step():
-                await self._wait_for_step(executor, int(msg.step))
-        if training and self.serving.before_compute is not None:
-            await self.serving.before_compute(executor.step)
+        await self._ready_for(msg, executor)
         offset, index = 0, 0
+        token = secrets.randbits(63) + 1 if kind == "forward" else 0  # for a backward that leaves its input out
         async for n, x, grad in parts:
-            schema.input.check(x, "input", self.limits.max_batch)
+            if x is not None:  # None: a backward on the activations kept here (requests.input_left_out)
+                schema.input.check(x, "input", self.limits.max_batch)
             t = None if targets is None else targets[offset : offset + n]
             if kind == "forward":
                 fkey = f"{msg.request_id}#{index}" if acc["streamed"] else msg.request_id
                 future = executor.forward(
-                    x, t, validation=msg.validation, tag=int(msg.step), key=fkey, inline=True, reference=msg.reference
-                )
+                    x, t, validation=msg.validation, tag=int(msg.step), key=fkey, inline=True,
+                    reference=msg.reference, kept_token=token,
+                )  # fmt: skip
                 result = future.result() if future.done() else await asyncio.wrap_future(future)
                 out = result.output
+                acc["kept_token"] = token if acc.get("kept_token", token) and result.kept else 0
             else:
                 grad = None if schema.is_last else check_grad_output(grad, n)
                 key = msg.contribution_id or msg.request_id
@@ -141,7 +98,7 @@ class StageService:
                 fkey = f"{msg.forward_id}#{index}" if acc["streamed"] and msg.forward_id else msg.forward_id
                 future = executor.backward(
                     x, grad, t, key, int(msg.step), int(msg.samples_digest), check_only=msg.check_only,
-                    forward_key=fkey, reference=msg.reference,
+                    forward_key=fkey, reference=msg.reference, kept_token=msg.kept_token, samples=n,
                 )  # fmt: skip
                 result = await asyncio.wrap_future(future)
                 if not result.duplicate:
@@ -165,6 +122,23 @@ class StageService:
                     start += c
             offset += n
             index += 1
+
+    async def _ready_for(self, msg, executor: StageExecutor) -> None:
+        """Checks and waits before a request's compute: its reply codec, and a training request's step
+        (exact mode: until this peer has applied the step before it)."""
+        if msg.reply_codec not in codec.CODEC_LABELS:
+            raise WireError(f"unknown reply codec {msg.reply_codec}")
+        training = not getattr(msg, "validation", False)
+        ahead = training and msg.step > executor.step  # for a step this peer has not reached yet
+        if training:
+            self._check_step(int(msg.step), executor.step)
+        if ahead and self.serving.on_run_ahead is not None:
+            self.serving.on_run_ahead()
+        if self.serving.exact and ahead:
+            with self.admission.wait_for_step():
+                await self._wait_for_step(executor, int(msg.step))
+        if training and self.serving.before_compute is not None:
+            await self.serving.before_compute(executor.step)
 
     def _check_step(self, step: int, peer_step: int) -> None:
         """A training request's step must be one this peer takes now (at most max_steps_ahead past its own)."""
@@ -197,6 +171,8 @@ class StageService:
         response.peer_s = time.monotonic() - acc["t0"]  # queue, compute and handling here
         if "loss_sum" in acc:
             response.loss = acc["loss_sum"] / max(1, acc["samples"])
+        if kind == "forward":
+            response.kept_token = acc.get("kept_token", 0)
         if kind == "backward":
             response.accumulated_step = acc.get("accumulated_step", 0)
             response.duplicate = acc.get("duplicate", False)
@@ -227,18 +203,23 @@ class StageService:
         acc = {"streamed": False, "t0": time.monotonic()}
         msg = messages.parse(pb.ForwardRequest if kind == "forward" else pb.BackwardRequest, raw)
         executor, schema = self.serving.check_target(msg.run_id, msg.stage)
-        if not msg.HasField("input"):
-            raise WireError("request has no input tensor")
-        x = codec.decode(msg.input, self.limits.max_numel)
-        if x.dim() == 0:
-            raise WireError("input must have a batch dimension")
+        x = None
+        if kind == "backward" and input_left_out(msg, schema, self.limits):
+            batch = int(msg.num_samples)
+        else:
+            if not msg.HasField("input"):
+                raise WireError("request has no input tensor")
+            x = codec.decode(msg.input, self.limits.max_numel)
+            if x.dim() == 0:
+                raise WireError("input must have a batch dimension")
+            batch = x.shape[0]
         grad = None
         if kind == "backward" and not schema.is_last and msg.HasField("grad_output"):
             grad = codec.decode(msg.grad_output, self.limits.max_numel)
-        targets = decode_targets(msg, schema, x.shape[0], self.limits)
+        targets = decode_targets(msg, schema, batch, self.limits)
 
         async def one_part():
-            yield x.shape[0], x, grad
+            yield batch, x, grad
 
         encoded = [e async for e in self.compute(kind, msg, executor, schema, targets, one_part(), acc)]
         return self.response(kind, msg, executor, acc, encoded[0] if encoded else None).SerializeToString()
@@ -397,4 +378,4 @@ async def start_server(
     return server, bound
 
 
-__all__ = ["Limits", "ServingState", "StageService", "start_server", "status_of", "SwarmError"]
+__all__ = ["Limits", "ServingState", "StageService", "start_server"]

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 
 import torch
 
-from swarm.peer.requests import check_header
+from swarm.peer.requests import check_header, input_left_out
 from swarm.peer.serving import Limits
 from swarm.training.models import StageSchema
 from swarm.wire import codec, messages
@@ -26,7 +26,7 @@ class StreamedRequest:
         self._it = request_iterator.__aiter__()
         self.msg = None
         self.counts: list[int] = []
-        self._streamed: list[pb.Tensor] = []
+        self._streamed: list[tuple[str, pb.Tensor]] = []
         self._received = 0
 
     async def _next_raw(self) -> bytes:
@@ -55,31 +55,33 @@ class StreamedRequest:
     def check_tensors(self, schema: StageSchema) -> int:
         """Check the streamed tensors' headers and the parts' sample counts; returns the batch size."""
         msg = self.msg
-        if not msg.HasField("input"):
+        left_out = self.kind == "backward" and input_left_out(msg, schema, self.limits)
+        if not left_out and not msg.HasField("input"):
             raise WireError("request has no input tensor")
-        batch = check_header(msg.input, "input", schema, self.limits)
+        batch = msg.num_samples if left_out else check_header(msg.input, "input", schema, self.limits)
         if not self.counts or min(self.counts) < 1 or sum(self.counts) != batch:
             raise WireError(f"stream parts {self.counts[:8]} do not add up to the batch of {batch}")
-        self._streamed = [msg.input]
+        self._streamed = [] if left_out else [("input", msg.input)]
         if self.kind == "backward" and not schema.is_last:
             if not msg.HasField("grad_output"):
                 raise WireError("backward on a non-last stage needs grad_output")
             if check_header(msg.grad_output, "grad_output", schema, self.limits) != batch:
                 raise WireError("grad_output batch differs from input batch")
-            self._streamed.append(msg.grad_output)
+            self._streamed.append(("grad_output", msg.grad_output))
         return batch
 
-    async def parts(self) -> AsyncIterator[tuple[int, torch.Tensor, torch.Tensor | None]]:
-        """(samples, input, grad_output or None) of each part, decoded as it arrives."""
+    async def parts(self) -> AsyncIterator[tuple[int, torch.Tensor | None, torch.Tensor | None]]:
+        """(samples, input, grad_output or None) of each part, decoded as it arrives; the input is None
+        when a backward left it out (requests.input_left_out)."""
         for n in self.counts:
-            decoded = []
-            for header in self._streamed:
+            decoded = {}
+            for name, header in self._streamed:
                 part = pb.Tensor(dtype=header.dtype, shape=[n, *header.shape[1:]], codec=header.codec)
                 part.block_size = header.block_size
                 data = await self._next_raw()
                 scales = await self._next_raw() if header.codec == pb.CODEC_INT8_BLOCK else b""
-                decoded.append(codec.decode(part, self.limits.max_numel, data, scales))
-            yield n, decoded[0], decoded[1] if len(decoded) > 1 else None
+                decoded[name] = codec.decode(part, self.limits.max_numel, data, scales)
+            yield n, decoded.get("input"), decoded.get("grad_output")
         try:
             await anext(self._it)
         except StopAsyncIteration:

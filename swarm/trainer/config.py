@@ -45,6 +45,11 @@ class TrainerConfig:
         None, "relative difference two honest answers may show (default: by codec and sync mode)"
     )
     stream_threshold_kb: int = setting(2048, "requests with more tensor data than this many KiB are streamed")
+    leave_out_kept_inputs: bool = setting(
+        True,
+        "a backward sent back to the peer that ran its forward and keeps its activations goes without the stage "
+        "input (a middle stage's backward: half the bytes); off: always send it",
+    )
     lane: bool = setting(
         True, "send Forward/Backward over a peer's lane (plain TCP) when it offers one (open swarms); else gRPC"
     )

@@ -2,7 +2,8 @@
 
 One microbatch: forward through stages 0..S-2 (the trainer relays each stage's encoded output to the
 next stage unchanged), then Backward on the last stage with the targets (loss and input gradient in
-one call), then Backward on stages S-2..0 with the stage input kept from the forward pass. Calls go
+one call), then Backward on stages S-2..0 with the stage input kept from the forward pass (left out
+when the backward goes to the forward's peer and that peer keeps the forward's activations). Calls go
 through the router (swarm.trainer.router), Backward records are held until applied
 (swarm.trainer.replay), and the pacer (swarm.policy.pacing) says which step each microbatch is for.
 """
@@ -177,11 +178,11 @@ class Trainer:
 
     async def _forward(self, mb: Microbatch) -> tuple[list[WireTensor | None], list[tuple[str, str]]]:
         """Stage inputs 0..S-1, as they travel (encoded: the trainer relays them without decoding),
-        and each forward's (request id, peer id): the backward names it and prefers that peer, which
-        may still hold the forward's activations."""
+        and each forward's (request id, peer id, kept token): the backward names it and prefers that
+        peer, which may still hold the forward's activations (a token says it keeps them)."""
         run = self.run
         inputs: list[WireTensor | None] = [WireTensor.encode(mb.inputs, self.codec)]
-        forwards: list[tuple[str, str]] = []
+        forwards: list[tuple[str, str, int]] = []
         for k in range(run.num_stages - 1):
             req = pb.ForwardRequest(
                 request_id=self._request_id(mb, k, "f"), run_id=run.run_id, stage=k, step=mb.step_tag,
@@ -194,7 +195,7 @@ class Trainer:
             if self.honesty.should_check():
                 answered = await self.honesty.check(k, "forward", req, tensors, mb.samples, answered)
             inputs.append(answered[1])
-            forwards.append((req.request_id, answered[2].peer_id))
+            forwards.append((req.request_id, answered[2].peer_id, int(answered[0].kept_token)))
         return inputs, forwards
 
     async def _process(self, mb: Microbatch) -> None:
@@ -208,19 +209,21 @@ class Trainer:
                 reply_codec=self.codec, num_samples=mb.samples, contribution_id=mb.cid, samples_digest=mb.digest,
             )  # fmt: skip
             tensors = {"input": inputs[k]}
-            prefer = None
+            prefer, kept, token = None, None, 0
             if k == run.num_stages - 1:
                 req.targets.CopyFrom(targets)
             else:
                 tensors["grad_output"] = grad
-                req.forward_id, prefer = forwards[k]
+                req.forward_id, prefer, token = forwards[k]
             # a step fed again (the swarm's step went back) repeats a contribution whose record is held:
             # the record is replayed there; this run's (at other parameters) gives the input gradient only
             req.check_only = self.replayer.holds(mb.cid, k)
+            if prefer is not None and token and not req.check_only:  # a check recomputes: it needs the input
+                kept = (prefer, token)
             # no retry cap: later stages already hold this microbatch's gradient
             msg, grad, peer = answered = await self.router.call(
                 k, req, tensors, mb.samples, "backward", retry_limit=NO_RETRY_CAP,
-                min_step=mb.step_tag if run.exact else None, prefer=prefer,
+                min_step=mb.step_tag if run.exact else None, prefer=prefer, kept=kept,
             )  # fmt: skip
             if req.check_only:
                 continue

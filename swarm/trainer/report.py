@@ -30,6 +30,8 @@ class Stats:
     retries: int = 0
     failed_calls: int = 0
     replays: int = 0
+    inputs_left_out: int = 0  # backwards answered from the activations their forward's peer kept, input not sent
+    inputs_resent: int = 0  # ... of which the peer no longer held them: sent again with the input
     # seconds with nothing in flight, held back by the pacing: waiting for the swarm's next step
     # (exact mode: every stage's update; async: beyond the staleness bound)
     idle_s: float = 0.0
@@ -157,6 +159,8 @@ class Reporter:
             "retries": s.retries,
             "failed_calls": s.failed_calls,
             "replays": s.replays,
+            "inputs_left_out": s.inputs_left_out,
+            "inputs_resent": s.inputs_resent,
             "idle_s": round(s.idle_s, 3),
             "call_ms": s.call_ms(),
             "microbatches_started": s.microbatches_started,

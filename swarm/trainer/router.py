@@ -6,6 +6,8 @@ What a peer's gRPC status means to the trainer:
   it too (`MicrobatchRejected`); but a RESOURCE_EXHAUSTED marked retryable (the peer is past one of
   its bounds: queue, streams, requests per client) is tried again in a moment, no ban.
 - FAILED_PRECONDITION: the peer serves another stage or run now (it moved): choose another, no ban.
+- NOT_FOUND, to a backward sent without its input (`kept`): the peer no longer holds the forward's
+  activations: the same call again, with the input, no ban.
 - ABORTED: the stage is agreeing on (and averaging) the update this backward is for, or the whole
   stage is behind the request's step (restored from an older checkpoint; it catches up with the
   replays): try again in a moment (the update may be unfrozen, or the request turn out to be a
@@ -36,7 +38,7 @@ REJECTED = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE
 MOVED = frozenset({grpc.StatusCode.FAILED_PRECONDITION})
 RETRY_SOON = frozenset({grpc.StatusCode.ABORTED})  # the stage is averaging that update: try again shortly
 RETRY_SOON_S = 0.1
-RETRY_KEY = "swarm-retry"  # the peer marks an overload retryable (swarm.peer.server.RETRY_KEY)
+RETRY_KEY = "swarm-retry"  # the peer marks an overload retryable (swarm.peer.statuses.RETRY_KEY)
 NO_RETRY_CAP = None
 
 
@@ -59,6 +61,15 @@ def _overloaded(e: grpc.aio.AioRpcError) -> bool:
     except Exception:  # noqa: BLE001 - no metadata: not marked retryable
         return False
     return e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and any(k == RETRY_KEY for k, _ in metadata)
+
+
+def _input_left_out(request, tensors: dict[str, WireTensor], token: int) -> tuple[object, dict[str, WireTensor]]:
+    """A backward's copy that names the kept forward's token instead of carrying the input."""
+    copy = type(request)()
+    copy.CopyFrom(request)
+    copy.ClearField("input")  # a unary gRPC send fills the request's tensors in place
+    copy.kept_token = token
+    return copy, {name: t for name, t in tensors.items() if name != "input"}
 
 
 def work_share(kind: str, stage: int, num_stages: int) -> float:
@@ -138,6 +149,7 @@ class Router:
         retry_limit: int | None = -1,
         min_step: int | None = None,
         prefer: str | None = None,
+        kept: tuple[str, int] | None = None,
     ) -> tuple[object, WireTensor | None, PeerLoad]:
         """Send to the best peer of `stage`; on failure ban it and retry elsewhere.
 
@@ -145,7 +157,8 @@ class Router:
         not give up because part of the microbatch's gradient is already accumulated). Waiting for a
         usable peer is capped by the stage wait either way. `min_step`: prefer peers that have
         applied step min_step - 1 (exact mode). `prefer`: the peer that ran this microbatch's forward
-        (it may hold its activations), taken unless clearly more loaded than the best one.
+        (it may hold its activations), taken unless clearly more loaded than the best one. `kept`: (peer,
+        token) when that peer said it keeps them: a backward sent to it leaves the input out.
         """
         retry_limit = self.cfg.max_retries if retry_limit == -1 else retry_limit
         exclude = set(exclude or ())
@@ -157,18 +170,17 @@ class Router:
             alone = peer.in_flight == 0  # only then does the call's time measure the peer, not our queue
             peer.in_flight += samples
             started = time.monotonic()
+            left_out = kept is not None and kept[0] == peer.peer_id and self.cfg.leave_out_kept_inputs
             try:
-                response, output = await self.clients.get(peer.address).call(kind, request, tensors, timeout)
+                sent = _input_left_out(request, tensors, kept[1]) if left_out else (request, tensors)
+                response, output = await self.clients.get(peer.address).call(kind, *sent, timeout)
             except grpc.aio.AioRpcError as e:
+                if left_out and e.code() == grpc.StatusCode.NOT_FOUND:
+                    kept = None  # that peer no longer holds the forward's activations: send the input
+                    self.stats.inputs_resent += 1
+                    continue
                 if self._on_error(stage, peer, e):
-                    # "not yet" (the stage is averaging, overloaded or behind the run) is retried
-                    # without a ban, for up to the stage wait when the call may give up
-                    soon_deadline = soon_deadline or time.monotonic() + self.cfg.stage_wait_s
-                    if retry_limit is not None and time.monotonic() > soon_deadline:
-                        raise MicrobatchFailed(
-                            f"stage {stage} answered 'not yet' for {self.cfg.stage_wait_s:.0f} s: {e.details()}"
-                        ) from None
-                    await asyncio.sleep(RETRY_SOON_S)
+                    soon_deadline = await self._not_yet(stage, e, retry_limit, soon_deadline)
                     continue
                 exclude.add(peer.peer_id)
                 attempts += 1
@@ -178,14 +190,31 @@ class Router:
                 continue
             finally:
                 peer.in_flight -= samples
-            self.wiring.on_success(peer)
-            self.stats.calls_by_peer[peer.peer_id] += 1
-            elapsed = time.monotonic() - started
-            at_peer = float(getattr(response, "peer_s", 0.0))
-            self.stats.count_call(kind, stage, elapsed, float(getattr(response, "compute_s", 0.0)), at_peer)
-            if alone and elapsed > 0:
-                self._measure(peer, kind, stage, samples, elapsed)
+            self.stats.inputs_left_out += left_out
+            self._answered(peer, kind, stage, samples, response, time.monotonic() - started, alone)
             return response, output, peer
+
+    async def _not_yet(
+        self, stage: int, e: grpc.aio.AioRpcError, retry_limit: int | None, soon_deadline: float | None
+    ) -> float:
+        """ "Not yet" (the stage is averaging, overloaded or behind the run) is retried without a ban, for
+        up to the stage wait when the call may give up; returns that deadline."""
+        soon_deadline = soon_deadline or time.monotonic() + self.cfg.stage_wait_s
+        if retry_limit is not None and time.monotonic() > soon_deadline:
+            raise MicrobatchFailed(
+                f"stage {stage} answered 'not yet' for {self.cfg.stage_wait_s:.0f} s: {e.details()}"
+            ) from None
+        await asyncio.sleep(RETRY_SOON_S)
+        return soon_deadline
+
+    def _answered(self, peer: PeerLoad, kind: str, stage: int, samples: int, response, elapsed: float, alone: bool):
+        """Account for an answered call (`alone`: nothing else of this trainer was in flight there)."""
+        self.wiring.on_success(peer)
+        self.stats.calls_by_peer[peer.peer_id] += 1
+        at_peer = float(getattr(response, "peer_s", 0.0))
+        self.stats.count_call(kind, stage, elapsed, float(getattr(response, "compute_s", 0.0)), at_peer)
+        if alone and elapsed > 0:
+            self._measure(peer, kind, stage, samples, elapsed)
 
 
 __all__ = ["MicrobatchFailed", "MicrobatchRejected", "NO_RETRY_CAP", "Router", "StageUnavailable"]

@@ -6,6 +6,7 @@ import pytest
 
 from swarm.core.errors import (
     ExecutorStopped,
+    InputNotKept,
     NonFiniteResult,
     NotServing,
     Overloaded,
@@ -15,7 +16,7 @@ from swarm.core.errors import (
     WrongTarget,
 )
 from swarm.peer.partials import PartialUnavailable
-from swarm.peer.server import status_of
+from swarm.peer.statuses import status_of
 from swarm.wire.codec import MessageTooLarge, WireError
 
 
@@ -33,6 +34,7 @@ from swarm.wire.codec import MessageTooLarge, WireError
         (ExecutorStopped("stage executor is stopped"), grpc.StatusCode.UNAVAILABLE),
         (StepNotReady("behind"), grpc.StatusCode.UNAVAILABLE),
         (StageBehind("the stage is behind the run"), grpc.StatusCode.ABORTED),
+        (InputNotKept("the kept forward was evicted"), grpc.StatusCode.NOT_FOUND),
         (KeyError("a bug"), grpc.StatusCode.INTERNAL),
         (RuntimeError("shutting down"), grpc.StatusCode.INTERNAL),  # a message decides nothing
     ],

@@ -4,7 +4,9 @@ Without it a peer's backward is stateless: it recomputes the forward from the st
 request carries (forward + forward + backward: x1.33 the compute). With it, a training forward at
 the current parameters keeps its autograd graph, keyed by the trainer's forward request id; the
 backward that names that id (BackwardRequest.forward_id) and lands on this peer runs the backward
-pass on the kept graph. Anything else recomputes as before: a backward on another peer (the first
+pass on the kept graph; if the forward's answer gave its token (ForwardResponse.kept_token), the trainer
+leaves that backward's input out and the token stands in for the input's equality check. Anything else
+recomputes as before: a backward on another peer (the first
 one died, or the wiring chose a mate), an entry evicted for the budget or its age, or one dropped
 because the parameters changed (an update, a loaded state) since its forward.
 
@@ -27,6 +29,7 @@ class Kept:
     output: torch.Tensor  # the forward's output, its graph attached
     nbytes: int
     at: float
+    token: int = 0  # given to the forward's requester: a backward naming it may leave the input out
 
 
 @dataclass
@@ -70,7 +73,7 @@ class ActivationCache:
     def __len__(self) -> int:
         return len(self._kept)
 
-    def put(self, key: str, inputs: torch.Tensor, output: torch.Tensor, nbytes: int) -> bool:
+    def put(self, key: str, inputs: torch.Tensor, output: torch.Tensor, nbytes: int, token: int = 0) -> bool:
         """Keep a forward's graph; False (nothing kept) when it alone is over the budget."""
         if not key or nbytes > self.budget_bytes:
             return False
@@ -81,21 +84,26 @@ class ActivationCache:
         self._expire(now)
         while self._kept and self._bytes + nbytes > self.budget_bytes:
             self._evict_oldest()
-        self._kept[key] = Kept(inputs, output, nbytes, now)
+        self._kept[key] = Kept(inputs, output, nbytes, now, token)
         self._bytes += nbytes
         self.counters.activations_kept += 1
         return True
 
-    def take(self, key: str, inputs: torch.Tensor) -> Kept | None:
+    def take(self, key: str, inputs: torch.Tensor | None, token: int = 0, samples: int = 0) -> Kept | None:
         """The kept forward of `key` (removed: a graph runs backward once) if its input is the one
-        given; counts a hit or a miss."""
+        given, or (no input given) if it was kept under `token` for `samples` samples; counts a hit or
+        a miss."""
         self._expire(time.monotonic())
         kept = self._kept.pop(key, None) if key else None
         if kept is not None:
             self._bytes -= kept.nbytes
-            same = kept.inputs.shape == inputs.shape and kept.inputs.dtype == inputs.dtype
-            if not (same and torch.equal(kept.inputs.detach(), inputs.to(kept.inputs.device))):
-                kept = None  # same id, other data: recompute from what the request carries
+            if inputs is None:
+                if not (token and kept.token == token and kept.inputs.shape[0] == samples):
+                    kept = None  # another forward under this id, or not this requester's
+            else:
+                same = kept.inputs.shape == inputs.shape and kept.inputs.dtype == inputs.dtype
+                if not (same and torch.equal(kept.inputs.detach(), inputs.to(kept.inputs.device))):
+                    kept = None  # same id, other data: recompute from what the request carries
         if kept is None:
             self.counters.activation_misses += 1
         else:

@@ -20,7 +20,7 @@ from dataclasses import asdict
 import torch
 
 from swarm.core.checks import abs_bound, all_finite
-from swarm.core.errors import NonFiniteResult
+from swarm.core.errors import InputNotKept, NonFiniteResult, RequestInvalid
 from swarm.peer.executor.accumulators import Accumulators, ReducedShard
 from swarm.peer.executor.activations import ActivationCache, Kept, saved_bytes
 from swarm.peer.executor.lookahead import LookAhead
@@ -110,18 +110,20 @@ class StageExecutor(StageUpdates, ComputeThread):
         key: str = "",
         inline: bool = False,
         reference: bool = False,
+        kept_token: int = 0,
     ) -> concurrent.futures.Future:
-        """`key`: a training forward's id, under which its activations may be kept for its backward.
-        `inline`: a cheap forward may run on this thread (swarm.peer.executor.thread). `reference`:
-        a spot check's answer, at the applied parameters (no look-ahead), kept for no backward."""
+        """`key`: a training forward's id, under which its activations may be kept for its backward
+        (with `kept_token`, for a backward that leaves its input out). `inline`: a cheap forward may
+        run on this thread (swarm.peer.executor.thread). `reference`: a spot check's answer, at the
+        applied parameters (no look-ahead), kept for no backward."""
         key = "" if reference else key
         kind = EVAL if validation else FORWARD
-        task = Task(kind, inputs, targets, request_id=key, tag=tag, reference=reference)
+        task = Task(kind, inputs, targets, request_id=key, tag=tag, reference=reference, kept_token=kept_token)
         return self.submit_or_run(task, inline)
 
     def backward(
         self,
-        inputs: torch.Tensor,
+        inputs: torch.Tensor | None,
         grad_output: torch.Tensor | None,
         targets: torch.Tensor | None,
         request_id: str,
@@ -130,23 +132,28 @@ class StageExecutor(StageUpdates, ComputeThread):
         check_only: bool = False,
         forward_key: str = "",
         reference: bool = False,
+        kept_token: int = 0,
+        samples: int = 0,
     ) -> concurrent.futures.Future:
         """Accumulate the gradient of (inputs, grad_output or targets) into update `tag`, once per
         `request_id` (a contribution part id). `check_only`: a trainer's spot check of a mate's answer:
         the input gradient only, nothing accumulated. `forward_key`: the forward of this microbatch,
         whose kept activations spare the recompute if this peer ran it. `reference` (with
-        `check_only`): at the applied parameters, no look-ahead."""
+        `check_only`): at the applied parameters, no look-ahead. `inputs` None: the backward of the
+        forward kept under `forward_key` and `kept_token`, of `samples` samples, or InputNotKept."""
         task = Task(
             BACKWARD, inputs, targets, grad_output, request_id, tag, digest=digest, check_only=check_only,
-            forward_key=forward_key, reference=reference and check_only,
+            forward_key=forward_key, reference=reference and check_only, kept_token=kept_token, samples=samples,
         )  # fmt: skip
         return self.submit(task)
 
     # ---- compute thread ----
 
     def _is_duplicate(self, task: Task) -> bool:
-        """A backward that accumulates nothing (a duplicate, or a spot check): it runs alone."""
-        return task.kind == BACKWARD and (task.check_only or self.acc.holder_of(task.request_id) is not None)
+        """A backward that accumulates nothing (a duplicate, or a spot check), or one on a kept forward
+        (no inputs): it runs alone."""
+        alone = task.check_only or task.inputs is None
+        return task.kind == BACKWARD and (alone or self.acc.holder_of(task.request_id) is not None)
 
     def _cat(self, tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
         if tensors[0] is None:
@@ -186,8 +193,9 @@ class StageExecutor(StageUpdates, ComputeThread):
         whenever the parameters change)."""
         return self.activations.enabled and not self.is_last and not (self.predict_params and step > self.step)
 
-    def _forward_kept(self, task: Task) -> torch.Tensor:
-        """One training forward with its graph, kept under the task's key for its backward."""
+    def _forward_kept(self, task: Task) -> tuple[torch.Tensor, bool]:
+        """One training forward with its graph, kept under the task's key for its backward; and
+        whether it was kept (not when it alone is over the budget)."""
         x = task.inputs.to(self.device, non_blocking=True)
         if self.inputs_are_float:
             x = x.detach().requires_grad_(True)
@@ -195,17 +203,17 @@ class StageExecutor(StageUpdates, ComputeThread):
         with torch.enable_grad(), hooks:
             out = self._call_module(x, None)
         kept_bytes = saved[0] + out.numel() * out.element_size() + x.numel() * x.element_size()
-        self.activations.put(task.request_id, x, out, kept_bytes)
-        return out.detach()
+        kept = self.activations.put(task.request_id, x, out, kept_bytes, task.kept_token)
+        return out.detach(), kept
 
     def _run_forward(self, tasks: list[Task], train: bool) -> None:
         start = time.perf_counter()
         self.module.train(train)
         step = max(tasks[0].tag, self.acc.accumulating_step) if train else 0
-        predicted = False
+        predicted, kept = False, [False] * len(tasks)
         if train and self._keeps_activations(step) and any(t.request_id for t in tasks):
             # one graph per microbatch: its backward comes alone
-            parts = [self._forward_kept(t) for t in tasks]
+            parts, kept = zip(*(self._forward_kept(t) for t in tasks), strict=True)
             out = parts[0] if len(parts) == 1 else torch.cat(parts)
         else:
             x = self._cat([t.inputs for t in tasks])
@@ -222,12 +230,12 @@ class StageExecutor(StageUpdates, ComputeThread):
         ema = self.forward_s_per_sample
         self.forward_s_per_sample = per_sample if ema is None else 0.9 * ema + 0.1 * per_sample
         offset = 0
-        for task in tasks:
+        for task, was_kept in zip(tasks, kept, strict=True):
             part = out[offset : offset + task.size]
             offset += task.size
             share = elapsed * task.size / max(1, total)
             output, loss = (None, part) if self.is_last else (part, None)
-            task.future.set_result(ForwardResult(output, loss, share, self.step, predicted))
+            task.future.set_result(ForwardResult(output, loss, share, self.step, predicted, was_kept))
 
     def _gradients(self, tasks: list[Task], target_step: int, duplicate: bool):
         """(parameter gradients, input gradient, per-sample losses, bound on |gradient elements|,
@@ -257,6 +265,9 @@ class StageExecutor(StageUpdates, ComputeThread):
     def _gradients_kept(self, task: Task, kept: Kept):
         """The same from a kept forward: the backward pass only."""
         grad_out = task.grad_output.to(self.device, non_blocking=True)
+        if grad_out.shape != kept.output.shape:
+            shapes = f"{tuple(grad_out.shape)} for an output of {tuple(kept.output.shape)}"
+            raise RequestInvalid(f"{self.stage_label}: grad_output of shape {shapes}")
         wrt = self.params + ([kept.inputs] if self.inputs_are_float else [])
         with torch.enable_grad():
             grads = torch.autograd.grad(kept.output, wrt, grad_outputs=grad_out, allow_unused=True)
@@ -282,11 +293,17 @@ class StageExecutor(StageUpdates, ComputeThread):
             return [(tasks, None)]
         if not self._keeps_activations(target_step):  # computed at predicted parameters: nothing kept
             self.activations.counters.activation_misses += sum(1 for t in tasks if t.forward_key)
+            if tasks[0].inputs is None:
+                raise InputNotKept(f"{self.stage_label} keeps no forward for update {target_step}")
             return [(tasks, None)]
         groups: list[tuple[list[Task], Kept | None]] = []
         recompute: list[Task] = []
         for task in tasks:
-            kept = self.activations.take(task.forward_key, task.inputs) if task.forward_key else None
+            kept = None
+            if task.forward_key:
+                kept = self.activations.take(task.forward_key, task.inputs, task.kept_token, task.samples)
+            if kept is None and task.inputs is None:  # such a task runs alone
+                raise InputNotKept(f"{self.stage_label} holds no kept forward {task.forward_key} for this backward")
             if kept is None:
                 recompute.append(task)
             else:
@@ -298,6 +315,8 @@ class StageExecutor(StageUpdates, ComputeThread):
         check_only = tasks[0].check_only  # such a task runs alone
         holder = self.acc.holder_of(tasks[0].request_id) if len(tasks) == 1 and not check_only else None
         duplicate = holder is not None or check_only
+        if duplicate and tasks[0].inputs is None:  # its input gradient is recomputed: that needs the input
+            raise InputNotKept(f"{self.stage_label}: a repeated backward without its input")
         # a duplicate still returns its input gradient (the trainer's backward goes on to the earlier
         # stages); a new contribution must be for an update this peer has not frozen or applied
         target_step = max(tasks[0].tag, self.acc.accumulating_step) if duplicate else self.acc.target_step(tasks[0].tag)

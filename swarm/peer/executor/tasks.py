@@ -30,13 +30,15 @@ class Task:
     check_only: bool = False  # backward: a spot check (the input gradient only, nothing accumulated)
     forward_key: str = ""  # backward: the forward whose kept activations it may use
     reference: bool = False  # a spot check's reference answer: at the applied parameters, no look-ahead
+    kept_token: int = 0  # forward: kept under this token; backward without inputs: the forward's token
+    samples: int = 0  # a backward without inputs (it runs on a kept forward): its samples
     fn: Callable[[], Any] | None = None
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     enqueued: float = field(default_factory=time.perf_counter)
 
     @property
     def size(self) -> int:
-        return 0 if self.inputs is None else int(self.inputs.shape[0])
+        return self.samples if self.inputs is None else int(self.inputs.shape[0])
 
     @property
     def nbytes(self) -> int:
@@ -46,6 +48,8 @@ class Task:
 
     def batch_key(self) -> tuple:
         x, t = self.inputs, self.targets
+        if x is None:
+            return (self.kind, id(self))  # a backward on a kept forward runs alone
         tag = self.tag if self.kind in (FORWARD, BACKWARD) else 0
         shapes = (tuple(x.shape[1:]), None if t is None else tuple(t.shape[1:]))
         return (self.kind, x.dtype, *shapes, tag, self.reference)
@@ -58,6 +62,7 @@ class ForwardResult:
     compute_s: float
     params_step: int = 0  # the updates applied to the parameters it was computed at
     predicted: bool = False  # ... with the async look-ahead's predicted update on top
+    kept: bool = False  # its activations are kept here for its backward
 
 
 @dataclass
