@@ -89,7 +89,7 @@ def inputs(steps: int, link_mbit: float | None, rounds: int) -> dict:
             row.update({k: summary[k] for k in ("inputs_left_out", "inputs_resent")})
             print(json.dumps({"part": "inputs", "run": name, "link_mbit": link_mbit or 100, **row}), flush=True)
             runs[name].append(row)
-    median = {name: statistics.median(r["samples_per_s"] for r in rows) for name, rows in runs.items()}
+    median = {name: round(statistics.median(r["samples_per_s"] for r in rows), 2) for name, rows in runs.items()}
     return {"link_mbit": link_mbit or 100, "steps": steps, "rounds": rounds, "runs": runs,
             "median_samples_per_s": median, "ratio": round(median["left_out"] / median["always_sent"], 3),
             "same_loss": len({r["loss_last"] for rows in runs.values() for r in rows}) == 1}  # fmt: skip

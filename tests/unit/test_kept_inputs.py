@@ -108,7 +108,9 @@ def test_a_backward_without_its_input_equals_one_with_it(streamed):
         ex_b.stop()
 
 
-def test_a_peer_without_the_kept_forward_answers_not_found_and_accumulates_nothing():
+def test_a_wrong_token_or_a_dropped_forward_gets_not_found_and_adds_nothing():
+    """A wrong token leaves the kept forward for its requester; a forward dropped by an update is gone:
+    both get NOT_FOUND with nothing accumulated, and the resend with the input is served."""
     svc, ex = middle()
     x, g = torch.randn(N, 8, 16), torch.randn(N, 8, 16)
 
@@ -116,19 +118,21 @@ def test_a_peer_without_the_kept_forward_answers_not_found_and_accumulates_nothi
         lane = LaneService(svc)
         _, f1, _ = await lane_call(lane, "forward", *forward("f-c1", x), False)
         wrong = await lane_call(lane, "backward", *backward("c1", x, g, f1.kept_token + 1), False)
+        right = await lane_call(lane, "backward", *backward("c1", x, g, f1.kept_token), False)  # still kept
         _, f2, _ = await lane_call(lane, "forward", *forward("f-c2", x), False)
         ex.call(ex.activations.clear).result(timeout=30)  # what an update does to every kept forward
         gone = await lane_call(lane, "backward", *backward("c2", x, g, f2.kept_token), False)
         resent = await lane_call(lane, "backward", *backward("c2", x, g), False)  # the trainer's resend
-        return wrong, gone, resent
+        return wrong, right, gone, resent
 
     try:
-        wrong, gone, resent = asyncio.run(go())
+        wrong, right, gone, resent = asyncio.run(go())
         for status, details, _ in (wrong, gone):
             assert status == grpc.StatusCode.NOT_FOUND.value[0], details
             assert "holds no kept forward" in details
-        assert resent[0] == 0 and resent[2].shape == (N, 8, 16)
-        assert accumulated(ex).samples == N  # the resent one only: the refused ones added nothing
+        assert right[0] == 0 and resent[0] == 0 and resent[2].shape == (N, 8, 16)
+        assert accumulated(ex).samples == 2 * N  # c1 and c2 once each: the refused calls added nothing
+        assert ex.activations.counters.activation_hits == 1
     finally:
         ex.stop()
 

@@ -94,12 +94,15 @@ class ActivationCache:
         given, or (no input given) if it was kept under `token` for `samples` samples; counts a hit or
         a miss."""
         self._expire(time.monotonic())
-        kept = self._kept.pop(key, None) if key else None
+        kept = self._kept.get(key) if key else None
+        if kept is not None and inputs is None and not (token and kept.token == token):
+            kept = None  # not this forward's requester: the entry stays for the one who is
         if kept is not None:
+            del self._kept[key]
             self._bytes -= kept.nbytes
             if inputs is None:
-                if not (token and kept.token == token and kept.inputs.shape[0] == samples):
-                    kept = None  # another forward under this id, or not this requester's
+                if kept.inputs.shape[0] != samples:
+                    kept = None  # the backward's parts are not the forward's
             else:
                 same = kept.inputs.shape == inputs.shape and kept.inputs.dtype == inputs.dtype
                 if not (same and torch.equal(kept.inputs.detach(), inputs.to(kept.inputs.device))):
