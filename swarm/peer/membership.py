@@ -1,10 +1,9 @@
-"""A peer's place in the swarm: which stage it serves, and entering, leaving and moving between stages. Each stage's
-parts (module, executor, averager, step coordinator, checkpoint writer) form a `StageRuntime`, built when the peer
-enters the stage and torn down when it leaves: a move is a leave and an enter, not a mutation of the peer in place.
+"""A peer's place in the swarm: which stage it serves, and entering, leaving and moving between stages. A stage's parts
+(module, executor, averager, step coordinator, checkpoint writer) form a `StageRuntime`, built on entering the stage
+and torn down on leaving it: a move is a leave and an enter, not a mutation of the peer in place.
 
-Entering a stage: announce "joining", build the stage, get its current state (from an up-to-date live mate over gRPC,
-else from the newest checkpoint, else a fresh seeded initialization), measure throughput, catch up if the stage moved
-on meanwhile, then serve ("online").
+Entering a stage: announce "joining", build the stage, get its current state (an up-to-date live mate's over gRPC, else
+the newest checkpoint, else a fresh seeded initialization), measure throughput, catch up if it moved on, then serve.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ from swarm.peer.state_transfer import download_state
 from swarm.peer.stepping import StepCoordinator
 from swarm.peer.throughput import measure_throughput
 from swarm.policy.rebalance import join_stage
-from swarm.training.averaging import StageAverager
+from swarm.training.averaging import AveragingFailed, StageAverager
 from swarm.training.config import RunConfig
 from swarm.training.models import BuiltStage, build_stage
 from swarm.training.state import CheckpointStore, validate
@@ -124,9 +123,9 @@ class Membership:
         self.events.add(kind, stage=self.stage, **fields)
 
     def start_averager(self) -> StageAverager | None:
-        """The stage's hivemind averager process, started on its first need (a round of more than --averaging-direct-max
-        members: smaller stages never fork one, and forking while gRPC's threads are busy can hang a peer), or a new one
-        when the old one died. On the event loop's (main) thread, as every averager: see swarm.training.averaging."""
+        """The stage's hivemind averager process, started on its first need (a round of more than
+        --averaging-direct-max members: smaller stages never fork one), or a new one when the old one
+        died; on the event loop's (main) thread, as every averager (swarm.training.averaging)."""
         rt = self.runtime
         if rt is None:
             return None
@@ -221,10 +220,12 @@ class Membership:
             )
         await self.refresh_view()
         await self._initial_state(rt)
-        # one averager per process, created on this (main) thread (swarm.training.averaging), here only
-        # if the stage is too large for direct averaging already (else on its first need)
+        # the averager (on this main thread) now if the stage is too large for direct averaging, else on need
         if len(self.live_mates()) + 1 > cfg.averaging.direct_max_members:
-            rt.averager = StageAverager(self.dht.dht, run.run_id, stage, executor.params, cfg.averaging)
+            try:
+                rt.averager = StageAverager(self.dht.dht, run.run_id, stage, executor.params, cfg.averaging)
+            except AveragingFailed as e:
+                logger.warning("%s; the stage's first round tries again", e)
         rt.stepper = StepCoordinator(
             executor, rt.averager, self, self.clients, run.run_id, run.global_batch, self._after_update,
             cfg.stall_report_s, direct_max=cfg.averaging.direct_max_members,

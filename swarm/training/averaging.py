@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import hashlib
 import logging
 import multiprocessing
@@ -55,6 +56,7 @@ from swarm.core.settings import setting
 logger = logging.getLogger(__name__)
 
 MAX_MADDR_BYTES = 512
+START_TIMEOUT_S = 60.0  # an averager process that is not serving by then is killed: its start failed
 
 
 class AveragingFailed(RuntimeError):
@@ -217,6 +219,19 @@ def round_id(prefix: str, step: int, members: list[str]) -> bytes:
     return hashlib.sha256(f"{prefix}|{step}|{','.join(members)}".encode()).digest()[:20]
 
 
+def _fork_quietly(start) -> None:
+    """Fork with the garbage collector off the parent's objects: the child must not finalize them. A
+    joining peer's averager process once died at once with a gRPC fatal error ("Check failed:
+    next_worker->state == KICKED") 13 ms after the fork, and the peer waited for it for ever; a
+    collection in the child that reaches a dead gRPC call's cycle is the likely way it touches gRPC."""
+    gc.collect()
+    gc.freeze()  # the child never scans what existed at the fork
+    try:
+        start()
+    finally:
+        gc.unfreeze()
+
+
 class StageAverager:
     def __init__(self, dht, run_id: str, stage: int, params: list[torch.Tensor], cfg: AveragingConfig) -> None:
         self.cfg = cfg
@@ -225,17 +240,22 @@ class StageAverager:
         # hivemind's run_in_background sets SIGINT to SIG_IGN in the calling process: a peer with an
         # averager ignored Ctrl-C, and so did every process it started later (a test worker's too)
         sigint = signal.getsignal(signal.SIGINT)
+        self.averager = _StageAverager(
+            [torch.zeros_like(p, device="cpu") for p in params],
+            dht,
+            prefix=self.prefix,
+            start=False,
+            allreduce_timeout=cfg.allreduce_timeout_s,
+            next_chunk_timeout=cfg.next_chunk_timeout_s,
+            allow_state_sharing=False,  # state travels over our gRPC GetState, not hivemind's RPC
+        )
         try:
-            self.averager = _StageAverager(
-                [torch.zeros_like(p, device="cpu") for p in params],
-                dht,
-                prefix=self.prefix,
-                start=True,
-                allreduce_timeout=cfg.allreduce_timeout_s,
-                next_chunk_timeout=cfg.next_chunk_timeout_s,
-                allow_state_sharing=False,  # state travels over our gRPC GetState, not hivemind's RPC
-            )
+            _fork_quietly(lambda: self.averager.run_in_background(await_ready=False))
+            self.averager.wait_until_ready(START_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - hivemind raises several kinds; the stage tries again
+            if self.averager.is_alive():
+                self.averager.kill()
+                self.averager.join(5.0)
             raise AveragingFailed(f"could not start an averager process: {e!r}") from None
         finally:
             if sigint is not None and threading.current_thread() is threading.main_thread():

@@ -6,14 +6,17 @@ node; before they were removed, its replacement failed to start ("handler ... al
 peer never averaged again, and its stage stalled (a 3x4 swarm whose stage 0 grew to 6 peers by
 rebalancing waited at 16 of 32 samples for ever)."""
 
+import multiprocessing
 import os
 import signal
 import threading
+import time
 
 import pytest
 import torch
 
 from swarm.dht.node import SwarmDHT
+from swarm.training import averaging
 from swarm.training.averaging import AveragingConfig, StageAverager
 
 
@@ -69,3 +72,21 @@ def test_a_killed_averager_is_replaced_and_the_replacement_averages():
             a.shutdown()
         second.shutdown()
         first.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_an_averager_that_dies_before_it_is_ready_fails_its_start_within_the_deadline(monkeypatch):
+    """A joining peer's averager process once died at once (a gRPC fatal error in the forked child),
+    and the peer waited for it to be ready for ever, its event loop blocked. The start now has a
+    deadline: it fails as a failed round does (the stage tries again), and nothing is left running."""
+    monkeypatch.setattr(averaging, "START_TIMEOUT_S", 5.0)
+    monkeypatch.setattr(averaging._StageAverager, "run", lambda self: os._exit(3))  # dies in the child at once
+    node = SwarmDHT("dies")
+    try:
+        started = time.monotonic()
+        with pytest.raises(averaging.AveragingFailed, match="could not start an averager process"):
+            StageAverager(node.dht, "dies", 0, [torch.zeros(8)], AveragingConfig())
+        assert time.monotonic() - started < 30
+        assert not [p for p in multiprocessing.active_children() if isinstance(p, averaging._StageAverager)]
+    finally:
+        node.shutdown()
