@@ -90,6 +90,7 @@ class StageService:
                 )  # fmt: skip
                 result = future.result() if future.done() else await asyncio.wrap_future(future)
                 out = result.output
+                # the token is answered only if every part of the request was kept
                 acc["kept_token"] = token if acc.get("kept_token", token) and result.kept else 0
             else:
                 grad = None if schema.is_last else check_grad_output(grad, n)
