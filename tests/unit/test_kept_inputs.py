@@ -5,6 +5,7 @@ answers NOT_FOUND with nothing accumulated, and the trainer's router sends the i
 malformed requests are refused."""
 
 import asyncio
+import threading
 import time
 
 import grpc
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from swarm.cluster.view import PeerStatus, SwarmView
+from swarm.core.errors import InputNotKept
 from swarm.core.states import PeerState
 from swarm.peer.executor import StageExecutor
 from swarm.peer.lane import LaneService
@@ -220,3 +222,35 @@ def test_the_router_sends_the_input_when_the_peer_no_longer_holds_the_forward(la
         assert ex.activations.counters.activation_hits == 1  # c2's backward recomputed from the resent input
     finally:
         ex.stop()
+
+
+def test_backwards_without_inputs_share_a_batch_and_a_missing_forward_fails_alone():
+    """Queued backwards on kept forwards run in one batch (a backward at the head of the queue takes the
+    queued ones of its kind along, ahead of queued forwards); one whose forward is not here is answered
+    InputNotKept, and the others are computed and accumulated as if alone."""
+    (_, ex), (_, ref) = middle(), middle()
+    xs, g = [torch.randn(N, 8, 16) for _ in range(3)], torch.randn(N, 8, 16)
+    try:
+        for i, x in enumerate(xs):
+            assert ex.forward(x, key=f"f{i}", kept_token=100 + i).result(timeout=30).kept
+            ref.forward(x, key=f"f{i}").result(timeout=30)
+        gate = threading.Event()
+        ex.call(lambda: gate.wait(30))  # holds the compute thread: the backwards queue up behind it
+        tokens = [100, 999, 102]  # the second names another forward's token
+        futures = [
+            ex.backward(None, g, None, f"c{i}", forward_key=f"f{i}", kept_token=t, samples=N)
+            for i, t in enumerate(tokens)
+        ]
+        gate.set()
+        with pytest.raises(InputNotKept):
+            futures[1].result(timeout=30)
+        for i in (0, 2):
+            want = ref.backward(xs[i], g, None, f"c{i}", forward_key=f"f{i}").result(timeout=30).grad_input
+            assert torch.equal(futures[i].result(timeout=30).grad_input, want)
+        got, expected = accumulated(ex), accumulated(ref)
+        assert got.samples == expected.samples == 2 * N
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got.grads, expected.grads, strict=True))
+        assert ex.activations.counters.activation_hits == 2 and len(ex.activations) == 1  # f1 stays for its owner
+    finally:
+        ex.stop()
+        ref.stop()

@@ -150,10 +150,8 @@ class StageExecutor(StageUpdates, ComputeThread):
     # ---- compute thread ----
 
     def _is_duplicate(self, task: Task) -> bool:
-        """A backward that accumulates nothing (a duplicate, or a spot check), or one on a kept forward
-        (no inputs): it runs alone."""
-        alone = task.check_only or task.inputs is None
-        return task.kind == BACKWARD and (alone or self.acc.holder_of(task.request_id) is not None)
+        """A backward that accumulates nothing (a duplicate, or a spot check): it runs alone."""
+        return task.kind == BACKWARD and (task.check_only or self.acc.holder_of(task.request_id) is not None)
 
     def _cat(self, tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
         if tensors[0] is None:
@@ -288,26 +286,26 @@ class StageExecutor(StageUpdates, ComputeThread):
         self, tasks: list[Task], target_step: int, duplicate: bool
     ) -> list[tuple[list[Task], Kept | None]]:
         """The batch split into microbatches whose kept forward this peer holds (each alone) and the
-        rest (recomputed together)."""
+        rest (recomputed together). A task without inputs whose kept forward is not here is answered
+        InputNotKept and left out (a batch holds such tasks only: their batch key)."""
         if duplicate:
             return [(tasks, None)]
-        if not self._keeps_activations(target_step):  # computed at predicted parameters: nothing kept
-            self.activations.counters.activation_misses += sum(1 for t in tasks if t.forward_key)
-            if tasks[0].inputs is None:
-                raise InputNotKept(f"{self.stage_label} keeps no forward for update {target_step}")
-            return [(tasks, None)]
+        keeps = self._keeps_activations(target_step)  # not at predicted parameters: nothing kept there
         groups: list[tuple[list[Task], Kept | None]] = []
         recompute: list[Task] = []
         for task in tasks:
             kept = None
-            if task.forward_key:
+            if task.forward_key and keeps:
                 kept = self.activations.take(task.forward_key, task.inputs, task.kept_token, task.samples)
-            if kept is None and task.inputs is None:  # such a task runs alone
-                raise InputNotKept(f"{self.stage_label} holds no kept forward {task.forward_key} for this backward")
-            if kept is None:
+            elif task.forward_key:
+                self.activations.counters.activation_misses += 1
+            if kept is not None:
+                groups.append(([task], kept))
+            elif task.inputs is not None:
                 recompute.append(task)
             else:
-                groups.append(([task], kept))
+                where = f"kept forward {task.forward_key}" if keeps else f"forward kept for update {target_step}"
+                task.future.set_exception(InputNotKept(f"{self.stage_label} holds no {where} for this backward"))
         return groups + ([(recompute, None)] if recompute else [])
 
     def _run_backward(self, tasks: list[Task]) -> None:
@@ -324,7 +322,11 @@ class StageExecutor(StageUpdates, ComputeThread):
         total: list[torch.Tensor | None] | None = None  # the batch's parameter gradients, summed over groups
         bound = 0.0  # no element of `total` is larger: the groups' largest |elements| summed
         predicted = False  # any group computed at look-ahead parameters
-        for group, kept in self._backward_groups(tasks, target_step, duplicate):
+        groups = self._backward_groups(tasks, target_step, duplicate)
+        tasks = [t for group, _ in groups for t in group]  # less those answered InputNotKept
+        if not tasks:
+            return
+        for group, kept in groups:
             if kept is None:
                 param_grads, grad_input, losses, largest, ahead = self._gradients(group, target_step, duplicate)
             else:

@@ -48,8 +48,8 @@ class Task:
 
     def batch_key(self) -> tuple:
         x, t = self.inputs, self.targets
-        if x is None:
-            return (self.kind, id(self))  # a backward on a kept forward runs alone
+        if x is None:  # a backward on a kept forward: batched with such backwards only
+            return (self.kind, None, self.tag, self.reference)
         tag = self.tag if self.kind in (FORWARD, BACKWARD) else 0
         shapes = (tuple(x.shape[1:]), None if t is None else tuple(t.shape[1:]))
         return (self.kind, x.dtype, *shapes, tag, self.reference)
