@@ -61,7 +61,9 @@ class LateContribution(RequestInvalid):
 class InputNotKept(SwarmError):
     """A backward sent without its input (BackwardRequest.kept_token) to a peer that no longer holds the
     forward's activations it names (evicted, aged out, the parameters changed, or another token):
-    NOT_FOUND. The trainer sends it again with the input, no ban: nothing was computed or accumulated."""
+    NOT_FOUND. The trainer sends it again with the input, no ban. Nothing of that part was computed or
+    accumulated; a streamed request's earlier parts may have been, and the resend finds them held (on this
+    peer, or through the stage's agreement on a mate) as any repeated contribution is."""
 
 
 class Overloaded(SwarmError):

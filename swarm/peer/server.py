@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from swarm.core.auth import Verifier
-from swarm.core.errors import RequestInvalid, StageBehind, StepNotReady
+from swarm.core.errors import InputNotKept, RequestInvalid, StageBehind, StepNotReady
 from swarm.core.settings import INFO_PERIOD_S
 from swarm.peer.admission import Admission
 from swarm.peer.agreement import contributions_response, ledger_chunks
@@ -252,7 +252,7 @@ class StageService:
                 )
             )
         except Exception as e:  # noqa: BLE001 - every error becomes a status; the server keeps serving
-            if isinstance(e, WireError):
+            if isinstance(e, (WireError, InputNotKept)):
                 # read what the client is still sending before answering: aborting mid-stream races
                 # the client's writes and can turn the clear status into a generic INTERNAL error
                 await request.drain()

@@ -176,7 +176,7 @@ class Trainer:
     def _request_id(self, mb: Microbatch, stage: int, kind: str) -> str:
         return f"{mb.cid}:{stage}:{kind}:{next(self._calls)}"
 
-    async def _forward(self, mb: Microbatch) -> tuple[list[WireTensor | None], list[tuple[str, str]]]:
+    async def _forward(self, mb: Microbatch) -> tuple[list[WireTensor | None], list[tuple[str, str, int]]]:
         """Stage inputs 0..S-1, as they travel (encoded: the trainer relays them without decoding),
         and each forward's (request id, peer id, kept token): the backward names it and prefers that
         peer, which may still hold the forward's activations (a token says it keeps them)."""

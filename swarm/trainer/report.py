@@ -31,7 +31,7 @@ class Stats:
     failed_calls: int = 0
     replays: int = 0
     inputs_left_out: int = 0  # backwards answered from the activations their forward's peer kept, input not sent
-    inputs_resent: int = 0  # ... of which the peer no longer held them: sent again with the input
+    inputs_resent: int = 0  # backwards sent without it to a peer that no longer held them: sent again with it
     # seconds with nothing in flight, held back by the pacing: waiting for the swarm's next step
     # (exact mode: every stage's update; async: beyond the staleness bound)
     idle_s: float = 0.0

@@ -30,7 +30,7 @@ from swarm.policy.wiring import PeerLoad, Wiring
 from swarm.trainer.config import TrainerConfig
 from swarm.trainer.report import Stats
 from swarm.wire.pool import ClientPool
-from swarm.wire.tensors import WireTensor
+from swarm.wire.tensors import WireTensor, sample_bytes, split_samples
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +70,16 @@ def _input_left_out(request, tensors: dict[str, WireTensor], token: int) -> tupl
     copy.ClearField("input")  # a unary gRPC send fills the request's tensors in place
     copy.kept_token = token
     return copy, {name: t for name, t in tensors.items() if name != "input"}
+
+
+def _same_parts(tensors: dict[str, WireTensor], threshold: int) -> bool:
+    """Whether a backward without its input goes in the parts its forward went in (unary both, or
+    streamed in the same split): the peer keeps a forward's activations by part."""
+    x, g = tensors.get("input"), tensors.get("grad_output")
+    if x is None or g is None or (x.nbytes >= threshold) != (g.nbytes >= threshold):
+        return False
+    split = lambda t: split_samples(t.samples, sample_bytes(t.dtype, t.shape, t.codec))  # noqa: E731
+    return x.nbytes < threshold or split(x) == split(g)
 
 
 def work_share(kind: str, stage: int, num_stages: int) -> float:
@@ -161,6 +171,7 @@ class Router:
         token) when that peer said it keeps them: a backward sent to it leaves the input out.
         """
         retry_limit = self.cfg.max_retries if retry_limit == -1 else retry_limit
+        kept = kept if kept is not None and _same_parts(tensors, self.clients.stream_threshold) else None
         exclude = set(exclude or ())
         attempts = 0
         soon_deadline = None

@@ -240,15 +240,18 @@ class StageAverager:
         # hivemind's run_in_background sets SIGINT to SIG_IGN in the calling process: a peer with an
         # averager ignored Ctrl-C, and so did every process it started later (a test worker's too)
         sigint = signal.getsignal(signal.SIGINT)
-        self.averager = _StageAverager(
-            [torch.zeros_like(p, device="cpu") for p in params],
-            dht,
-            prefix=self.prefix,
-            start=False,
-            allreduce_timeout=cfg.allreduce_timeout_s,
-            next_chunk_timeout=cfg.next_chunk_timeout_s,
-            allow_state_sharing=False,  # state travels over our gRPC GetState, not hivemind's RPC
-        )
+        try:
+            self.averager = _StageAverager(
+                [torch.zeros_like(p, device="cpu") for p in params],
+                dht,
+                prefix=self.prefix,
+                start=False,
+                allreduce_timeout=cfg.allreduce_timeout_s,
+                next_chunk_timeout=cfg.next_chunk_timeout_s,
+                allow_state_sharing=False,  # state travels over our gRPC GetState, not hivemind's RPC
+            )
+        except Exception as e:  # noqa: BLE001 - shared memory, pipes: the stage tries again
+            raise AveragingFailed(f"could not create an averager: {e!r}") from None
         try:
             _fork_quietly(lambda: self.averager.run_in_background(await_ready=False))
             self.averager.wait_until_ready(START_TIMEOUT_S)
@@ -256,6 +259,7 @@ class StageAverager:
             if self.averager.is_alive():
                 self.averager.kill()
                 self.averager.join(5.0)
+            self.shutdown()  # dead: removes the handlers it may have registered (a replacement needs the names)
             raise AveragingFailed(f"could not start an averager process: {e!r}") from None
         finally:
             if sigint is not None and threading.current_thread() is threading.main_thread():

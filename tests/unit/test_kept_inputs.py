@@ -22,7 +22,7 @@ from swarm.peer.serving import Limits, ServingState
 from swarm.policy.wiring import PeerLoad, Wiring
 from swarm.trainer.config import TrainerConfig
 from swarm.trainer.report import Stats
-from swarm.trainer.router import Router
+from swarm.trainer.router import Router, _same_parts
 from swarm.training.config import OptimConfig
 from swarm.training.models import build_stage
 from swarm.wire import stream
@@ -175,7 +175,8 @@ def test_malformed_requests_without_an_input_are_refused():
 
 
 @pytest.mark.parametrize("lane", [False, True])
-def test_the_router_sends_the_input_when_the_peer_no_longer_holds_the_forward(lane):
+@pytest.mark.parametrize("streamed", [False, True])
+def test_the_router_sends_the_input_when_the_peer_no_longer_holds_the_forward(lane, streamed):
     """Through a real gRPC server (and lane) on loopback and the trainer's real router: a backward to
     the forward's peer goes without its input; when that peer dropped the forward (an update cleared
     it), its NOT_FOUND makes the router send the input at once: no ban, no failed call, each
@@ -187,7 +188,7 @@ def test_the_router_sends_the_input_when_the_peer_no_longer_holds_the_forward(la
         server, port = await start_server(svc, "127.0.0.1", 0, Limits())
         lane_service = LaneService(svc)
         lane_port = await lane_service.start("127.0.0.1", 0)
-        pool = ClientPool(lane=lane)
+        pool = ClientPool(lane=lane, **({"stream_threshold": 1024} if streamed else {}))
         address = f"127.0.0.1:{port}"
         if lane:
             pool.get(address).set_lane(lane_port)
@@ -254,3 +255,16 @@ def test_backwards_without_inputs_share_a_batch_and_a_missing_forward_fails_alon
     finally:
         ex.stop()
         ref.stop()
+
+
+def test_the_input_is_left_out_only_when_the_backward_goes_in_the_forwards_parts():
+    """The peer keeps a forward's activations by part (unary, or each part of a streamed request): a
+    backward without its input in other parts could never find them (a wasted round trip each)."""
+    small, large = torch.randn(2, 8, 16), torch.randn(64, 64, 128)  # 1 KiB and 2 MiB of float32
+    tokens = torch.zeros(64, 64, dtype=torch.long)
+    assert _same_parts({"input": wire(small), "grad_output": wire(small)}, 2 << 20)  # both unary
+    assert _same_parts({"input": wire(large), "grad_output": wire(large)}, 1 << 20)  # both streamed alike
+    assert not _same_parts({"input": wire(tokens), "grad_output": wire(large)}, 1 << 20)  # unary, streamed
+    half = WireTensor.encode(large, pb.CODEC_FP16)  # streamed in fewer, larger parts than float32
+    assert not _same_parts({"input": half, "grad_output": wire(large)}, 64 << 10)
+    assert not _same_parts({"input": wire(small)}, 2 << 20)  # the last stage: no grad_output

@@ -95,23 +95,25 @@ class ActivationCache:
         a miss."""
         self._expire(time.monotonic())
         kept = self._kept.get(key) if key else None
-        if kept is not None and inputs is None and not (token and kept.token == token):
-            kept = None  # not this forward's requester: the entry stays for the one who is
+        if kept is not None and not self._matches(kept, inputs, token, samples):
+            kept = None  # another forward's data or token: the entry stays for its own backward
         if kept is not None:
             del self._kept[key]
             self._bytes -= kept.nbytes
-            if inputs is None:
-                if kept.inputs.shape[0] != samples:
-                    kept = None  # the backward's parts are not the forward's
-            else:
-                same = kept.inputs.shape == inputs.shape and kept.inputs.dtype == inputs.dtype
-                if not (same and torch.equal(kept.inputs.detach(), inputs.to(kept.inputs.device))):
-                    kept = None  # same id, other data: recompute from what the request carries
         if kept is None:
             self.counters.activation_misses += 1
         else:
             self.counters.activation_hits += 1
         return kept
+
+    @staticmethod
+    def _matches(kept: Kept, inputs: torch.Tensor | None, token: int, samples: int) -> bool:
+        """The backward's input is the kept forward's: equal, or (left out) named by its token, the
+        sample counts equal."""
+        if inputs is None:
+            return bool(token) and kept.token == token and kept.inputs.shape[0] == samples
+        same = kept.inputs.shape == inputs.shape and kept.inputs.dtype == inputs.dtype
+        return same and torch.equal(kept.inputs.detach(), inputs.to(kept.inputs.device))
 
     def clear(self) -> None:
         """The parameters changed: every kept graph is stale."""

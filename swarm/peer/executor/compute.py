@@ -263,9 +263,6 @@ class StageExecutor(StageUpdates, ComputeThread):
     def _gradients_kept(self, task: Task, kept: Kept):
         """The same from a kept forward: the backward pass only."""
         grad_out = task.grad_output.to(self.device, non_blocking=True)
-        if grad_out.shape != kept.output.shape:
-            shapes = f"{tuple(grad_out.shape)} for an output of {tuple(kept.output.shape)}"
-            raise RequestInvalid(f"{self.stage_label}: grad_output of shape {shapes}")
         wrt = self.params + ([kept.inputs] if self.inputs_are_float else [])
         with torch.enable_grad():
             grads = torch.autograd.grad(kept.output, wrt, grad_outputs=grad_out, allow_unused=True)
@@ -299,7 +296,10 @@ class StageExecutor(StageUpdates, ComputeThread):
                 kept = self.activations.take(task.forward_key, task.inputs, task.kept_token, task.samples)
             elif task.forward_key:
                 self.activations.counters.activation_misses += 1
-            if kept is not None:
+            if kept is not None and task.grad_output.shape != kept.output.shape:  # fails this task only
+                shapes = f"{tuple(task.grad_output.shape)} for an output of {tuple(kept.output.shape)}"
+                task.future.set_exception(RequestInvalid(f"{self.stage_label}: grad_output of shape {shapes}"))
+            elif kept is not None:
                 groups.append(([task], kept))
             elif task.inputs is not None:
                 recompute.append(task)
