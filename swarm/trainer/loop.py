@@ -218,7 +218,7 @@ class Trainer:
             # a step fed again (the swarm's step went back) repeats a contribution whose record is held:
             # the record is replayed there; this run's (at other parameters) gives the input gradient only
             req.check_only = self.replayer.holds(mb.cid, k)
-            if prefer is not None and token and not req.check_only:  # a check recomputes: it needs the input
+            if token and not req.check_only:  # a check recomputes: it needs the input
                 kept = (prefer, token)
             # no retry cap: later stages already hold this microbatch's gradient
             msg, grad, peer = answered = await self.router.call(

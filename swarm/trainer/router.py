@@ -171,7 +171,8 @@ class Router:
         token) when that peer said it keeps them: a backward sent to it leaves the input out.
         """
         retry_limit = self.cfg.max_retries if retry_limit == -1 else retry_limit
-        kept = kept if kept is not None and _same_parts(tensors, self.clients.stream_threshold) else None
+        if not (self.cfg.leave_out_kept_inputs and _same_parts(tensors, self.clients.stream_threshold)):
+            kept = None
         exclude = set(exclude or ())
         attempts = 0
         soon_deadline = None
@@ -181,7 +182,7 @@ class Router:
             alone = peer.in_flight == 0  # only then does the call's time measure the peer, not our queue
             peer.in_flight += samples
             started = time.monotonic()
-            left_out = kept is not None and kept[0] == peer.peer_id and self.cfg.leave_out_kept_inputs
+            left_out = kept is not None and kept[0] == peer.peer_id
             try:
                 sent = _input_left_out(request, tensors, kept[1]) if left_out else (request, tensors)
                 response, output = await self.clients.get(peer.address).call(kind, *sent, timeout)
